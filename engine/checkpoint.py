@@ -1,0 +1,499 @@
+"""Committed, verifiable checkpoints on any fsspec filesystem (local paths, file://, s3://).
+
+A store is rooted at a stage prefix; step ``n`` lives in ``{prefix}/step_{n:06d}/`` and counts
+as committed once its ``manifest.json`` (size and sha256 of every file) exists and parses. It is
+written LAST because object stores have no atomic rename: a crash at any earlier point leaves a
+directory that every reader ignores. ``RunLock`` guards the tree against two concurrent runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import uuid
+from typing import Any, BinaryIO, Callable
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from rlflow.engine.errors import CheckpointError
+
+MANIFEST, FINAL, LOCK = "manifest.json", "final.json", ".lock"
+_CHUNK = 8 * 1024 * 1024
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def stage_prefix(root: str, run: str, round_index: int, stage: str) -> str:
+    """Return the store URL of one stage of one round: ``{root}/{run}/round_{r}/{stage}``."""
+    if not run or not stage or "/" in run + stage:
+        raise CheckpointError(f"invalid run/stage names {run!r}/{stage!r}: need names without '/'")
+    return f"{root.rstrip('/')}/{run}/round_{round_index}/{stage}"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+def _check_name(name: str) -> str:
+    """Reject names that could escape the step directory or shadow the manifest."""
+    parts = name.split("/")
+    if name == MANIFEST or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(f"invalid checkpoint file name {name!r}: use a relative path like "
+                              f"'model/model.safetensors' ('{MANIFEST}' is reserved)")
+    return name
+
+
+def _hash_stream(f: BinaryIO, sink: BinaryIO | None = None) -> tuple[int, str]:
+    """Return (size, sha256) of a stream, copying it into ``sink`` on the way if given."""
+    sha, size = hashlib.sha256(), 0
+    while chunk := f.read(_CHUNK):
+        sha.update(chunk)
+        size += len(chunk)
+        if sink is not None:
+            sink.write(chunk)
+    return size, sha.hexdigest()
+
+
+def _put_local_atomic(path: str, data: bytes) -> None:
+    """Write a small local file so readers see either nothing or all of it, even after a crash."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # a leftover tmp after a crash is ignored debris
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _HashingFile:
+    """Write-only file wrapper that hashes and counts bytes as they stream to storage."""
+
+    def __init__(self, raw: BinaryIO, name: str, on_close: Callable[[str, int, str], None]):
+        self._raw, self.name, self._on_close = raw, name, on_close
+        self._sha, self._size, self.closed = hashlib.sha256(), 0, False
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")  # hash the raw bytes of e.g. typed arrays
+        self._raw.write(view)
+        self._sha.update(view)
+        self._size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        """Finish the upload, then record size and hash (only if the upload succeeded)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._raw.close()
+        self._on_close(self.name, self._size, self._sha.hexdigest())
+
+    def discard(self) -> None:
+        """Close without recording the file; the aborting writer deletes whatever was stored."""
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(Exception):  # the failure being handled may be this file's
+                self._raw.close()
+
+    def __enter__(self) -> _HashingFile:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        (self.close if exc_type is None else self.discard)()
+
+
+class StepWriter:
+    """Collects one step's files and commits them; use ``with store.writer(step) as w:``."""
+
+    def __init__(self, store: CheckpointStore, step: int):
+        self._store, self.step = store, step
+        self.meta, self._files, self._open, self._state = {}, {}, [], "new"
+
+    def __enter__(self) -> StepWriter:
+        # Overwriting drops the old manifest first, so old and new files are never committed mixed.
+        self._store._clear_step(self.step)
+        self._state = "open"
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self._state == "open" and exc_type is None:
+                self.commit()
+        finally:
+            if self._state == "open":  # the block or the commit failed: nothing is committed
+                self._abort()
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise CheckpointError(f"writer for {self._store.step_url(self.step)} is {self._state}; "
+                                  "write inside 'with store.writer(step) as w:' before it commits")
+
+    def _record(self, name: str, size: int, sha256: str) -> None:
+        self._files[name] = {"size": size, "sha256": sha256}
+        self._open = [f for f in self._open if not f.closed]
+
+    def open(self, name: str, mode: str = "wb") -> _HashingFile:
+        """Open ``name`` for streaming writes; its size and sha256 are recorded on close."""
+        if mode != "wb":
+            raise ValueError(f"checkpoint files are written with mode 'wb', got {mode!r}")
+        self._require_open()
+        path = self._store._step_path(self.step, _check_name(name))
+        if self._store._local:  # local filesystems need parent directories; object stores do not
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._open.append(_HashingFile(self._store._fs.open(path, "wb"), name, self._record))
+        return self._open[-1]
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.open(name) as f:
+            f.write(data)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self.write_bytes(name, _json_bytes(obj))
+
+    def put_dir(self, local_dir: str, prefix: str = "") -> list[str]:
+        """Upload every file under ``local_dir`` (recursively) as ``{prefix}/{relpath}``."""
+        if not os.path.isdir(local_dir):
+            raise CheckpointError(f"cannot checkpoint {local_dir!r}: it is not a directory")
+        written, prefix = [], prefix.strip("/")
+        for root, dirs, files in os.walk(local_dir):
+            dirs.sort()  # a deterministic upload order makes failures reproducible
+            for fname in sorted(files):
+                rel = os.path.relpath(os.path.join(root, fname), local_dir).replace(os.sep, "/")
+                name = f"{prefix}/{rel}" if prefix else rel
+                with open(os.path.join(root, fname), "rb") as src, self.open(name) as dst:
+                    _hash_stream(src, dst)
+                written.append(name)
+        return written
+
+    def commit(self, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write the manifest (the commit point) and return it. Runs by itself on clean exit."""
+        self._require_open()
+        self.meta.update(meta or {})
+        for f in list(self._open):
+            f.close()  # an unclosed handle may still hold buffered, unuploaded bytes
+        manifest = {"step": self.step, "files": dict(sorted(self._files.items())),
+                    "meta": self.meta, "created": _now()}
+        data = _json_bytes(manifest)  # serialise first: unserialisable meta fails before writing
+        self._store._put(self._store._step_path(self.step, MANIFEST), data)
+        self._state = "committed"
+        return manifest
+
+    def _abort(self) -> None:
+        """Forget the step: discard open uploads and delete the partial directory, best effort."""
+        self._state = "aborted"
+        for f in self._open:
+            f.discard()
+        with contextlib.suppress(Exception):
+            self._store._rm(self._store._step_path(self.step), recursive=True)
+
+
+class CheckpointStore:
+    """Steps of one stage under one URL prefix; see the module docstring for the layout."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        self._url = url.rstrip("/") or url
+        self._fs, path = url_to_fs(self._url, **(storage_options or {}))
+        self._path = path.rstrip("/") or path
+        self._local = isinstance(self._fs, LocalFileSystem)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def step_url(self, step: int) -> str:
+        return f"{self._url}/step_{step:06d}"
+
+    def _step_path(self, step: int, name: str = "") -> str:
+        return f"{self._path}/step_{step:06d}" + (f"/{name}" if name else "")
+
+    def _put(self, path: str, data: bytes) -> None:
+        if self._local:
+            _put_local_atomic(path, data)
+        else:
+            self._fs.pipe_file(path, data)  # a single PUT is all-or-nothing on object stores
+
+    def _cat(self, path: str) -> bytes | None:
+        """Read a whole file, or None if absent; never served from a stale listing cache."""
+        self._fs.invalidate_cache(path)
+        try:
+            return self._fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def _rm(self, path: str, recursive: bool = False) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm(path, recursive=recursive)
+
+    def _step_dirs(self) -> list[int]:
+        """Step numbers that have a directory, committed or not."""
+        self._fs.invalidate_cache(self._path)  # see steps written by other processes
+        try:
+            entries = self._fs.ls(self._path, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = (_STEP_RE.match(e.rstrip("/").rsplit("/", 1)[-1]) for e in entries)
+        return sorted({int(m.group(1)) for m in found if m})
+
+    def _clear_step(self, step: int) -> None:
+        """Delete a step, manifest first, so a half-deleted step is never seen as committed."""
+        self._rm(self._step_path(step, MANIFEST))
+        self._rm(self._step_path(step), recursive=True)
+
+    def _load_manifest(self, step: int) -> tuple[bytes, dict[str, Any]] | None:
+        """Return (raw bytes, manifest), or None when the step is not committed."""
+        raw = self._cat(self._step_path(step, MANIFEST))
+        try:
+            manifest = json.loads(raw)
+            ok = manifest["step"] == step and isinstance(manifest["files"], dict)
+        except (TypeError, ValueError, KeyError):  # absent, torn or hand-edited: commits nothing
+            return None
+        return (raw, manifest) if ok else None
+
+    def _require_manifest(self, step: int) -> tuple[bytes, dict[str, Any]]:
+        loaded = self._load_manifest(step)
+        if loaded is None:
+            raise CheckpointError(
+                f"checkpoint {self.step_url(step)} is uncommitted or partial (no valid "
+                f"{MANIFEST}); committed steps in {self._url}: {self.committed_steps() or 'none'}")
+        return loaded
+
+    def _require_file(self, step: int, name: str) -> dict[str, Any]:
+        files = self._require_manifest(step)[1]["files"]
+        if name not in files:
+            raise CheckpointError(f"{self.step_url(step)} has no file {name!r} in its manifest")
+        return files[name]
+
+    def committed_steps(self) -> list[int]:
+        return [n for n in self._step_dirs() if self._load_manifest(n) is not None]
+
+    def latest(self) -> int | None:
+        return (self.committed_steps() or [None])[-1]
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        return self._require_manifest(step)[1]
+
+    def manifest_sha256(self, step: int) -> str:
+        """sha256 of the manifest bytes: identifies exactly what a step contains."""
+        return hashlib.sha256(self._require_manifest(step)[0]).hexdigest()
+
+    def writer(self, step: int) -> StepWriter:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        return StepWriter(self, step)
+
+    def open(self, step: int, name: str, mode: str = "rb") -> BinaryIO:
+        """Open a committed file for reading (not hash-checked; ``verify`` does that)."""
+        if mode not in ("rb", "r"):
+            raise ValueError(f"checkpoint files are read with mode 'rb' or 'r', got {mode!r}")
+        self._require_file(step, name)
+        path = self._step_path(step, name)
+        self._fs.invalidate_cache(path)  # a size cached before a rewrite would truncate reads
+        return self._fs.open(path, mode)
+
+    def read_bytes(self, step: int, name: str) -> bytes:
+        """Read a committed file whole, checked against the manifest's size and sha256."""
+        sink = io.BytesIO()
+        self._stream_checked(step, name, self._require_file(step, name), sink)
+        return sink.getvalue()
+
+    def read_json(self, step: int, name: str) -> Any:
+        return json.loads(self.read_bytes(step, name))
+
+    def _stream_checked(self, step: int, name: str, entry: dict, sink: BinaryIO | None = None):
+        """Hash a stored file against its manifest entry, copying it into ``sink`` if given."""
+        path, where = self._step_path(step, name), f"{self.step_url(step)}/{name}"
+        self._fs.invalidate_cache(path)  # a size cached before a rewrite would truncate reads
+        try:
+            with self._fs.open(path, "rb") as f:
+                size, sha = _hash_stream(f, sink)
+        except FileNotFoundError:
+            raise CheckpointError(f"{where} is listed in the manifest but missing") from None
+        if (size, sha) != (entry["size"], entry["sha256"]):
+            raise CheckpointError(f"{where} is corrupted: size {size} sha256 {sha[:12]}..., "
+                                  f"manifest says {entry['size']} {entry['sha256'][:12]}...")
+
+    def verify(self, step: int) -> None:
+        """Re-hash every file against the manifest; raise CheckpointError naming a bad one."""
+        for name, entry in self._require_manifest(step)[1]["files"].items():
+            self._stream_checked(step, name, entry)
+
+    def local_dir(self, step: int, cache_dir: str | None = None) -> str:
+        """Return a local directory holding the step's files (e.g. for ``from_pretrained``).
+
+        Local stores return the step directory itself. Remote steps are downloaded, sha256-
+        checked, into ``cache_dir`` (reused, keyed by manifest hash) or a new temp dir.
+        """
+        raw, manifest = self._require_manifest(step)
+        if self._local:
+            return self._step_path(step)
+        if cache_dir is None:
+            dest = os.path.join(tempfile.mkdtemp(prefix="rlflow-ckpt-"), f"step_{step:06d}")
+        else:
+            key = hashlib.sha256(raw).hexdigest()[:16]
+            dest = os.path.join(cache_dir, f"step_{step:06d}-{key}")
+            if os.path.isfile(os.path.join(dest, MANIFEST)):
+                return dest  # complete: the directory only appears by the rename below
+        tmp = f"{dest}.tmp-{uuid.uuid4().hex}"
+        try:
+            for name, entry in manifest["files"].items():
+                local_path = os.path.join(tmp, *name.split("/"))
+                os.makedirs(os.path.dirname(local_path), exist_ok=True)
+                with open(local_path, "wb") as sink:
+                    self._stream_checked(step, name, entry, sink)
+            _put_local_atomic(os.path.join(tmp, MANIFEST), raw)
+            try:
+                os.replace(tmp, dest)
+            except OSError:  # fine if a concurrent caller (another rank) finished it first
+                if not os.path.isfile(os.path.join(dest, MANIFEST)):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    def prune(self, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Delete old steps; return the step numbers whose directories were removed.
+
+        Keeps the newest ``keep_last`` committed steps, ``protect`` and the final step. Uncommitted
+        dirs older than the latest committed step (crashed writers' debris) go too; newer ones
+        may belong to a running writer, so they stay.
+        """
+        committed = self.committed_steps()
+        if not committed:
+            return []
+        final = self.final()
+        keep = set(committed[max(0, len(committed) - keep_last):]) | set(protect)
+        keep |= {final["step"]} if final else set()
+        removed = [n for n in committed if n not in keep]
+        for n in removed:
+            self._clear_step(n)
+        debris = [n for n in self._step_dirs() if n < committed[-1] and n not in committed]
+        for n in debris:
+            self._rm(self._step_path(n), recursive=True)
+        return sorted(removed + debris)
+
+    def mark_final(self, step: int, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Record ``step`` as this stage's output in ``{prefix}/final.json``; return the record."""
+        record = {**(meta or {}), "step": step, "manifest_sha256": self.manifest_sha256(step)}
+        self._put(f"{self._path}/{FINAL}", _json_bytes(record))
+        return record
+
+    def final(self) -> dict[str, Any] | None:
+        """Return the final.json record, None if the stage has none; raise if it dangles."""
+        where = f"{self._url}/{FINAL}"
+        raw = self._cat(f"{self._path}/{FINAL}")
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+            loaded = self._load_manifest(record["step"])
+        except (ValueError, TypeError, KeyError):  # torn, or "step" is no integer
+            record, loaded = {}, None
+        if loaded is None:
+            raise CheckpointError(f"{where} points to step {record.get('step')!r}, which is not "
+                                  f"committed; delete {where} and rerun the stage")
+        if record.get("manifest_sha256") != hashlib.sha256(loaded[0]).hexdigest():
+            raise CheckpointError(f"{where} points to step {record['step']}, whose manifest "
+                                  f"changed since; delete {where} and rerun the stage")
+        return record
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists but belongs to another user
+    return True
+
+
+class RunLock:
+    """Marks a run directory as in use via ``{run_dir}/.lock`` = {host, pid, started}.
+
+    A dead process's lock on this host is taken over; a live one, or one from another host
+    (whose pid cannot be checked), raises CheckpointError.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        self.url = url.rstrip("/") or url
+        self._fs, path = url_to_fs(self.url, **(storage_options or {}))
+        self._path, self.lock_url = f"{path.rstrip('/')}/{LOCK}", f"{self.url}/{LOCK}"
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.release()
+
+    def _read(self) -> dict[str, Any] | None:
+        self._fs.invalidate_cache(self._path)
+        try:
+            holder = json.loads(self._fs.cat_file(self._path))
+            # pid <= 0 would make os.kill signal a whole process group.
+            if isinstance(holder["host"], str) and type(holder["pid"]) is int and holder["pid"] > 0:
+                return holder
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError, KeyError):
+            pass
+        raise CheckpointError(f"lock file {self.lock_url} is unreadable; delete it if no other "
+                              f"process is running '{self.url}'")
+
+    def _create(self) -> bool:
+        """Write our lock unless one appeared meanwhile; return whether we now hold it."""
+        data = _json_bytes({"host": socket.gethostname(), "pid": os.getpid(), "started": _now()})
+        if not isinstance(self._fs, LocalFileSystem):  # no exclusive create here; race accepted
+            self._fs.pipe_file(self._path, data)
+            return True
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        tmp = f"{self._path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, self._path)  # exclusive, and readers never see a half-written lock
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    @staticmethod
+    def _is_ours(holder: dict[str, Any]) -> bool:
+        return holder["host"] == socket.gethostname() and holder["pid"] == os.getpid()
+
+    def acquire(self) -> RunLock:
+        """Take the lock, replacing a stale one; raise CheckpointError if another run holds it."""
+        for _ in range(3):  # retries cover replacing a stale lock and losing a creation race
+            holder = self._read()
+            if self._create() if holder is None else self._is_ours(holder):
+                return self
+            if holder is None:
+                continue  # lost a creation race: look at the winner's lock
+            if holder["host"] != socket.gethostname() or _pid_alive(holder["pid"]):
+                raise CheckpointError(
+                    f"run '{self.url}' is already being run by pid {holder['pid']} on host "
+                    f"{holder['host']} (started {holder.get('started', '?')}); wait for it or "
+                    f"delete {self.lock_url} if that process is gone")
+            with contextlib.suppress(FileNotFoundError):  # stale: its process is dead
+                self._fs.rm(self._path)
+        raise CheckpointError(f"could not acquire {self.lock_url}: others keep replacing it")
+
+    def release(self) -> None:
+        """Delete the lock if it is still ours; another process's lock is left alone."""
+        with contextlib.suppress(CheckpointError, FileNotFoundError):  # unreadable: not ours
+            holder = self._read()
+            if holder is not None and self._is_ours(holder):
+                self._fs.rm(self._path)

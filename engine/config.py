@@ -1,0 +1,315 @@
+"""Typed run configuration: YAML file + `a.b=c` overrides -> validated, frozen models.
+
+Every section forbids unknown keys; errors name the file, the key path and the offending value
+and list the valid keys, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rlflow.engine.errors import ConfigError
+
+SECRET_KEY_PATTERN = re.compile(r"(secret|token|password|passwd|credential|access_key|api_key|storage_options)", re.I)
+REDACTED = "***"
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunConfig(Section):
+    name: str | None = None  # None: a fresh name is generated for every new run
+    seed: int = 0
+    rounds: int = Field(2, ge=1, le=1000)
+    root: str = "runs"  # fsspec URL holding checkpoints: {root}/{name}/round_{r}/{stage}/step_{n}
+    storage_options: dict[str, Any] = Field(default_factory=dict)  # s3fs etc. credentials: secret
+    threads: int = Field(2, ge=1, le=512)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str | None) -> str | None:
+        if value is not None and not RUN_NAME_PATTERN.match(value):
+            raise ValueError(
+                f"run.name {value!r} is not safe for a path: use 1-128 letters, digits, '.', '_' or '-'"
+                " starting with a letter or digit"
+            )
+        return value
+
+
+class ModelConfig(Section):
+    path: str = "demo_assets/tiny-model"  # local HF directory or hub id
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DataConfig(Section):
+    sft: str = "demo_assets/data/sft.jsonl"
+    sft_eval: str = "demo_assets/data/sft_eval.jsonl"
+    preferences: str = "demo_assets/data/preferences.jsonl"
+    preferences_eval: str = "demo_assets/data/preferences_eval.jsonl"  # clean gold labels
+    prompts: str = "demo_assets/data/prompts.jsonl"
+    eval_prompts: str = "demo_assets/data/eval_prompts.jsonl"
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    max_prompt_tokens: int = Field(64, ge=1)
+    prompt_overflow: Literal["truncate", "drop"] = "truncate"
+
+
+class SFTConfig(Section):
+    rounds: list[int] = Field(default_factory=lambda: [0])  # rounds that start with SFT
+    max_steps: int = Field(400, ge=1)
+    batch_size: int = Field(32, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_seq_tokens: int = Field(128, ge=8)
+    eval_every: int = Field(25, ge=1)
+    patience: int = Field(3, ge=1)  # held-out evals without a 1% improvement before stopping
+    log_every: int = Field(10, ge=1)
+
+
+class RewardModelConfig(Section):
+    init: str = "sft"  # "sft": the round's SFT checkpoint; otherwise a model path
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_seq_tokens: int = Field(128, ge=8)
+    norm_samples: int = Field(256, ge=2)  # fixed reference set for score mean/std
+    log_every: int = Field(10, ge=1)
+
+
+class KLConfig(Section):
+    controller: Literal["fixed", "adaptive"] = "adaptive"
+    init_coef: float = Field(0.05, ge=0)
+    target: float = Field(0.05, gt=0)  # token-mean KL the adaptive controller aims at
+    horizon: int = Field(2000, ge=1)
+    estimator: Literal["k1", "k2", "k3", "abs"] = "k1"  # per-token penalty in the reward
+
+
+class PPOConfig(Section):
+    steps: int = Field(40, ge=1)
+    rollout_batch: int = Field(64, ge=1)  # prompts per PPO step
+    mini_batch: int = Field(32, ge=1)
+    epochs: int = Field(2, ge=1)
+    actor_lr: float = Field(5e-4, gt=0)
+    critic_lr: float = Field(1e-3, gt=0)
+    clip_ratio: float = Field(0.2, gt=0)
+    value_clip: float = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    reference: Literal["sft", "round_start"] = "sft"
+    critic_init: Literal["rm", "policy"] = "rm"
+    critic_warmup_steps: int = Field(0, ge=0)
+    whiten_advantages: bool = True
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    stop_kl: float | None = Field(0.3, gt=0)  # end the round's PPO once rollout KL passes this
+    max_grad_norm: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(24, ge=1)
+    log_every: int = Field(1, ge=1)
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(10, ge=1)  # during PPO
+    num_prompts: int = Field(256, ge=1)
+    batch_size: int = Field(128, ge=1)
+    num_logged_samples: int = Field(12, ge=0)
+
+
+class FunctionRef(Section):
+    fn: str  # "package.module:function"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("fn")
+    @classmethod
+    def _module_function(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
+            raise ValueError(f"{value!r} must look like 'package.module:function'")
+        return value
+
+
+class LabelConfig(Section):
+    labeller: FunctionRef = Field(
+        default_factory=lambda: FunctionRef(fn="rlflow.engine.demo_task:noisy_gold_labeller", kwargs={"noise": 0.1})
+    )
+    online_from_round: int | None = Field(1, ge=1)  # None: offline preferences only
+    prompts_per_round: int = Field(512, ge=1)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(10, ge=1)
+    keep_last: int = Field(2, ge=1)
+    keep_best: str | None = None  # e.g. "eval/rm_score": that step is never pruned
+
+
+class TrackingConfig(Section):
+    uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///{root}/mlflow.db
+    experiment: str = "rlflow"
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    label: LabelConfig = Field(default_factory=LabelConfig)
+    gold: FunctionRef = Field(default_factory=lambda: FunctionRef(fn="rlflow.engine.demo_task:gold_score"))
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+
+def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in path:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _format_error(error: dict[str, Any], source: str) -> str:
+    loc = tuple(error["loc"])
+    key = ".".join(str(p) for p in loc)
+    if error["type"] == "extra_forbidden":
+        section = _section_at(loc[:-1])
+        valid = ", ".join(sorted(section.model_fields)) if section else "?"
+        where = ".".join(str(p) for p in loc[:-1]) or "top level"
+        return f"{source}: unknown key '{key}' in {where}; valid keys: {valid}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{source}: invalid value for '{key}': {error.get('input')!r} ({message})"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], c) with c parsed as a YAML scalar/list/dict."""
+    if "=" not in text or text.startswith("="):
+        raise ConfigError(f"override {text!r} must look like key.path=value, e.g. ppo.steps=20")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.__class__.__name__})") from None
+    return key.strip().split("."), value
+
+
+def apply_override(tree: dict[str, Any], text: str) -> None:
+    path, value = parse_override(text)
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {text!r}: '{'.'.join(path[: i + 1])}' is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def build_config(tree: dict[str, Any], source: str) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc.errors()[0], source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config file and apply `a.b=c` overrides; raise ConfigError naming what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
+    tree = copy.deepcopy(tree)
+    for text in overrides:
+        apply_override(tree, text)
+    source = f"{path}" + (" (with overrides)" if overrides else "")
+    return build_config(tree, source)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b.c": value}; lists stay values."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value and not SECRET_KEY_PATTERN.search(str(key)):
+            flat.update(flatten(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def redact(tree: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a nested config tree with every secret-looking key's value replaced by '***'."""
+    return split_secrets(tree)[0]
+
+
+def split_secrets(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tree with secret values redacted, a tree holding only the secret values)."""
+    public, secret = {}, {}
+    for key, value in tree.items():
+        if SECRET_KEY_PATTERN.search(str(key)) and value not in (None, {}, ""):
+            public[key], secret[key] = REDACTED, value
+        elif isinstance(value, dict):
+            public[key], inner = split_secrets(value)
+            if inner:
+                secret[key] = inner
+        else:
+            public[key] = value
+    return public, secret
+
+
+def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `base` with `extra`'s leaves written over it (inverse of split_secrets)."""
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_trees(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def redacted_dict(config: BaseModel) -> dict[str, Any]:
+    return redact(config.model_dump(mode="json"))
+
+
+def config_hash(section: BaseModel | dict[str, Any]) -> str:
+    """Stable sha256 of a config subtree (secrets included: they change what is read)."""
+    tree = section.model_dump(mode="json") if isinstance(section, BaseModel) else section
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+
+
+def diff_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Flattened keys whose values differ between two config trees (secret values never shown)."""
+    a, b = flatten(old), flatten(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(redacted_dict(config), sort_keys=False)

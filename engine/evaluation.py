@@ -1,0 +1,92 @@
+"""Evaluating a policy: gold score, reward-model score, KL, length and diversity of its answers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rlflow.engine.algos import distinct_n, kl_penalty, masked_mean
+from rlflow.engine.data import PromptRecord, encode_prompts, format_prompt
+from rlflow.engine.rollout import RolloutBatch, SamplingParams, batched_logprobs, batched_scores, generate_rollouts
+from rlflow.engine.scoring import score_answers
+
+
+@dataclass(frozen=True)
+class ScoringModels:
+    """What an evaluation scores answers with. Reward scores are normalised by score_norm."""
+
+    reward_model: torch.nn.Module
+    score_norm: tuple[float, float]  # (mean, std) of raw scores on the fixed reference set
+    reference: torch.nn.Module  # PPO's KL anchor
+    sft: torch.nn.Module  # the SFT policy, for eval/kl_to_sft
+    gold: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    records: tuple[PromptRecord, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+
+
+def encode_prompt_set(tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str) -> tuple[PromptSet, int, int]:
+    """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped)."""
+    encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
+    kept = tuple(records[i] for i in encoded.kept_indices)
+    return PromptSet(kept, tuple(tuple(t) for t in encoded.token_ids)), encoded.n_truncated, encoded.n_dropped
+
+
+def normalised_scores(reward_model: torch.nn.Module, batch: RolloutBatch, score_norm: tuple[float, float]) -> torch.Tensor:
+    mean, std = score_norm
+    return (batched_scores(reward_model, batch) - mean) / std
+
+
+@torch.no_grad()
+def evaluate_policy(
+    policy: torch.nn.Module, tokenizer: Any, prompts: PromptSet, models: ScoringModels,
+    sampling: SamplingParams, seed: int, batch_size: int = 128, n_samples: int = 12,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Sample one answer per prompt and measure it. Returns (metrics, sample rows).
+
+    Metrics: eval/gold_score (+ _stderr and eval/gold/<component>), eval/rm_score, eval/kl and
+    eval/kl_to_sft (token-mean k3 estimate on the sampled tokens), eval/response_length (tokens),
+    eval/distinct_2 (pooled over all answers' words), eval/valid_fraction.
+    """
+    texts: list[str] = []
+    rm, kl_ref, kl_sft, lengths = [], [], [], []
+    for start in range(0, len(prompts.token_ids), batch_size):
+        chunk = prompts.token_ids[start : start + batch_size]
+        batch = generate_rollouts(policy, tokenizer, chunk, sampling, seed + start)
+        logprobs = batched_logprobs(policy, batch, sampling.temperature)
+        mask = batch.response_mask
+        for anchor, out in ((models.reference, kl_ref), (models.sft, kl_sft)):
+            anchor_lp = batched_logprobs(anchor, batch, sampling.temperature)
+            out.append(masked_mean(kl_penalty(logprobs, anchor_lp, "k3"), mask, dim=1))
+        rm.append(normalised_scores(models.reward_model, batch, models.score_norm))
+        lengths.append(mask.sum(1))
+        texts.extend(batch.response_texts)
+    records = prompts.records
+    gold = score_answers(models.gold, [r.prompt for r in records], texts, [r.fields for r in records])
+    n = len(gold.scores)
+    mean = sum(gold.scores) / n
+    var = sum((s - mean) ** 2 for s in gold.scores) / max(1, n - 1)
+    metrics = {
+        "eval/gold_score": mean,
+        "eval/gold_score_stderr": math.sqrt(var / n),
+        "eval/rm_score": float(torch.cat(rm).mean()),
+        "eval/kl": float(torch.cat(kl_ref).mean()),
+        "eval/kl_to_sft": float(torch.cat(kl_sft).mean()),
+        "eval/response_length": float(torch.cat(lengths).float().mean()),
+        "eval/distinct_2": distinct_n([t.split() for t in texts], 2),
+        "eval/valid_fraction": (
+            sum(gold.components["valid"]) / n if "valid" in gold.components else sum(s > 0 for s in gold.scores) / n
+        ),
+    }
+    metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
+    rows = [
+        {"prompt": records[i].prompt, "response": texts[i], "gold_score": gold.scores[i], "rm_score": float(torch.cat(rm)[i])}
+        for i in range(min(n_samples, n))
+    ]
+    return metrics, rows

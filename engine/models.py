@@ -1,0 +1,180 @@
+"""Loading models and the forward passes every stage shares (log-probs, values, scores).
+
+A tiny demo model and a 70B model go through exactly the same code: HF directories loaded with
+`from_pretrained`, safetensors only, `trust_remote_code` off unless the config turns it on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlflow.engine.algos import entropy_from_logits, logprobs_from_logits
+from rlflow.engine.errors import ConfigError
+
+try:  # progress bars per checkpoint drown the per-step progress lines
+    from transformers.utils import logging as _hf_logging
+
+    _hf_logging.disable_progress_bar()
+    _hf_logging.set_verbosity_error()  # load reports for heads we initialise on purpose
+except ImportError:  # pragma: no cover
+    pass
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(path: str, key: str = "model.path") -> str:
+    """A local directory as is; a hub id ("org/name") passed through; anything else is an error."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ConfigError(f"{key} {path!r} is a file; point it at a Hugging Face model directory")
+    if HUB_ID.match(path) and not path.startswith((".", "/")):
+        return path
+    raise ConfigError(f"{key} {path!r} does not exist; give a local HF model directory or a hub id like Qwen/Qwen2-0.5B-Instruct")
+
+
+def _from_pretrained(cls: Any, path: str, key: str, **kwargs: Any) -> Any:
+    try:
+        return cls.from_pretrained(resolve_model_path(path, key), **kwargs)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key} {path!r} could not be loaded: {first}") from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.path"):
+    """Tokenizer with left padding (batched generation) and a pad token (EOS if it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_pretrained(AutoTokenizer, path, key, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """PPO's ratio must be 1 on the first mini-batch: no dropout anywhere, even in train mode."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def load_policy(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "model.path"):
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(
+        AutoModelForCausalLM, path, key, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+    )
+    return disable_dropout(model)
+
+
+def load_scalar_model(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "rm.init"):
+    """A one-output `AutoModelForSequenceClassification` (reward model or critic).
+
+    Loading a causal-LM directory gives a freshly initialised head; it is zeroed so a new critic
+    or reward model starts at 0 instead of random noise.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    model = _from_pretrained(
+        AutoModelForSequenceClassification, path, key,
+        num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+    )
+    head = scalar_head(model)
+    if getattr(model.config, "rlflow_head_trained", False) is False:
+        with torch.no_grad():
+            head.weight.zero_()
+            if getattr(head, "bias", None) is not None:
+                head.bias.zero_()
+    return disable_dropout(model)
+
+
+def scalar_head(model: nn.Module) -> nn.Linear:
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Linear):
+            return head
+    raise ConfigError(f"{type(model).__name__} has no linear 'score' head; use a decoder model (Llama, Qwen2, ...)")
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] 0/1 mask -> [B, T] positions counting only attended tokens (left padding safe)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the response tokens under `model`.
+
+    input_ids, attention_mask: [B, T] (left-padded prompt of width response_start, then response).
+    Returns logprobs [B, T - response_start] (float32, logits divided by the sampling temperature)
+    and, if asked, the per-token entropy of the same distribution, else None.
+    """
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+    )
+    logits = out.logits[:, response_start - 1 : -1].float() / temperature
+    logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
+    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+
+
+def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    backbone = getattr(model, model.base_model_prefix)
+    out = backbone(
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+    )
+    return out.last_hidden_state
+
+
+def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token scalar head outputs [B, T] (the critic: GAE needs a value at every token)."""
+    return scalar_head(model)(_hidden_states(model, input_ids, attention_mask)).squeeze(-1).float()
+
+
+def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar head at each row's last attended token [B] (reward model score).
+
+    Located from the attention mask, not the pad id, so an EOS that doubles as pad still counts.
+    """
+    values = token_values(model, input_ids, attention_mask)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (attention_mask.long() * positions).argmax(-1)
+    return values.gather(1, last[:, None]).squeeze(1)
+
+
+def save_model_dir(model: nn.Module, tokenizer: Any, writer: Any, prefix: str = "model") -> None:
+    """save_pretrained (safetensors) into a temp dir, then through the checkpoint writer."""
+    if hasattr(model.config, "num_labels") and model.config.num_labels == 1 and hasattr(model, "score"):
+        model.config.rlflow_head_trained = True
+    with tempfile.TemporaryDirectory(prefix="rlflow-save-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        writer.put_dir(tmp, prefix=f"{prefix}/")
+
+
+def model_dir(local_step_dir: str, prefix: str = "model") -> str:
+    return str(Path(local_step_dir) / prefix)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

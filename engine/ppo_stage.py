@@ -1,0 +1,104 @@
+"""The PPO stage: load the four models, run PPO steps with checkpoints, evaluations and KL stop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlflow.engine.config import CheckpointConfig, DataConfig, EvalConfig, ModelConfig, PPOConfig
+from rlflow.engine.data import load_prompts
+from rlflow.engine.evaluation import PromptSet, ScoringModels, encode_prompt_set
+from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_dir
+from rlflow.engine.ppo import PPOModels, make_controller, make_ppo_optimizers, ppo_step, run_evaluation
+from rlflow.engine.stage import (
+    StageContext, StageOutcome, completed_outcome, fault_point, finish, latest_resumable,
+    restore_training_state, save_checkpoint,
+)
+from rlflow.engine.train_state import step_seed
+
+
+@dataclass(frozen=True)
+class PPOInputs:
+    """Model directories (local paths) the stage starts from."""
+
+    policy: str  # the round's starting policy
+    reference: str  # KL anchor (the SFT policy or the round's start, per ppo.reference)
+    sft: str  # SFT policy, for eval/kl_to_sft
+    reward_model: str
+    score_norm: tuple[float, float]  # the reward model's (mean, std) on its reference set
+    critic: str  # initial critic: the reward model or the policy (per ppo.critic_init)
+
+
+def load_ppo_models(inputs: PPOInputs, resume_dir: str | None, model_cfg: ModelConfig, gold: Callable[..., Any]) -> PPOModels:
+    kw = {"dtype": model_cfg.dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    actor_path = model_dir(resume_dir, "model") if resume_dir else inputs.policy
+    critic_path = model_dir(resume_dir, "critic") if resume_dir else inputs.critic
+    tokenizer = load_tokenizer(actor_path, model_cfg.trust_remote_code)
+    reference = load_policy(inputs.reference, **kw).eval()
+    sft = reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval()
+    scoring = ScoringModels(
+        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(), score_norm=inputs.score_norm,
+        reference=reference, sft=sft, gold=gold,
+    )
+    for frozen in (scoring.reward_model, reference, sft):
+        frozen.requires_grad_(False)
+    return PPOModels(load_policy(actor_path, **kw), load_scalar_model(critic_path, key="critic", **kw), tokenizer, scoring)
+
+
+def load_prompt_sets(tokenizer: Any, data: DataConfig, eval_cfg: EvalConfig, sink) -> tuple[PromptSet, PromptSet]:
+    train, n_trunc, n_drop = encode_prompt_set(tokenizer, load_prompts(data.prompts, data.storage_options), data.max_prompt_tokens, data.prompt_overflow)
+    records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
+    evals, e_trunc, e_drop = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow)
+    sink.log_metrics({"data/prompts_truncated": n_trunc + e_trunc, "data/prompts_dropped": n_drop + e_drop}, 0)
+    return train, evals
+
+
+def run_ppo_stage(
+    ctx: StageContext, inputs: PPOInputs, model_cfg: ModelConfig, cfg: PPOConfig, eval_cfg: EvalConfig,
+    data: DataConfig, checkpoint: CheckpointConfig, gold: Callable[..., Any],
+) -> StageOutcome:
+    """Run `cfg.steps` PPO steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible."""
+    if (done := completed_outcome(ctx)) is not None:
+        return done
+    resume = latest_resumable(ctx)
+    models = load_ppo_models(inputs, ctx.store.local_dir(resume) if resume is not None else None, model_cfg, gold)
+    prompts, eval_prompts = load_prompt_sets(models.tokenizer, data, eval_cfg, ctx.sink)
+    optimizers, controller = make_ppo_optimizers(models, cfg), make_controller(cfg)
+    state: dict[str, Any] = {"best": None, "best_step": None, "stopped_by_kl": False}
+    step = 0
+    if resume is not None:
+        meta = restore_training_state(ctx, resume, optimizers, {})
+        controller.load_state_dict(meta["kl_controller"])
+        step, state = resume, meta["ppo_state"]
+    started, metrics = time.monotonic(), {}
+    while step < cfg.steps and not state["stopped_by_kl"]:
+        step += 1
+        fault_point("ppo", "step", step)
+        metrics = ppo_step(models, optimizers, controller, cfg, prompts, ctx.seed, ctx.round_index, step)
+        state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
+        metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
+        last = step >= cfg.steps or state["stopped_by_kl"]
+        if step % eval_cfg.every_steps == 0 or last:
+            eval_metrics, samples = run_evaluation(models, eval_prompts, cfg, step_seed(ctx.seed, ctx.round_index, 7), eval_cfg.batch_size, eval_cfg.num_logged_samples)
+            metrics.update(eval_metrics)
+            _track_best(state, checkpoint.keep_best, metrics, step)
+            if last:
+                ctx.sink.log_table("eval_samples.json", samples)
+        metrics["timing_s/elapsed"] = time.monotonic() - started
+        if step % cfg.log_every == 0 or last:
+            ctx.sink.log_metrics(metrics, step)
+        if step % ctx.every_steps == 0 or last or state["best_step"] == step:
+            save_checkpoint(
+                ctx, step, {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)}, optimizers, {},
+                {"kl_controller": controller.state_dict(), "ppo_state": dict(state)},
+                protect={state["best_step"]} if state["best_step"] else set(),
+            )
+    keep = ("critic/score/mean", "actor/kl", "eval/gold_score", "eval/rm_score", "eval/kl", "response_length/mean")
+    summary = {k: metrics[k] for k in keep if k in metrics} | {"ppo/steps": step, "ppo/stopped_by_kl": float(state["stopped_by_kl"])}
+    return finish(ctx, step, summary, resume)
+
+
+def _track_best(state: dict[str, Any], metric: str | None, metrics: dict[str, float], step: int) -> None:
+    if metric and metric in metrics and (state["best"] is None or metrics[metric] > state["best"]):
+        state["best"], state["best_step"] = metrics[metric], step

@@ -1,0 +1,100 @@
+"""Batched sampling from the policy and the typed record it produces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rlflow.engine.batching import left_pad
+from rlflow.engine.models import sequence_scores, token_logprobs, token_values
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 24
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Prompts and sampled responses of one step. B rows, P prompt width, R response width."""
+
+    input_ids: torch.Tensor  # [B, P+R] left-padded prompt, then right-padded response
+    attention_mask: torch.Tensor  # [B, P+R] 1 on real prompt and response tokens
+    response_mask: torch.Tensor  # [B, R] float, 1 up to and including each row's EOS
+    prompt_width: int  # P
+    response_texts: tuple[str, ...]  # B decoded responses, special tokens removed
+
+    @property
+    def response_ids(self) -> torch.Tensor:  # [B, R]
+        return self.input_ids[:, self.prompt_width :]
+
+    def rows(self, index: torch.Tensor) -> RolloutBatch:
+        return RolloutBatch(
+            self.input_ids[index], self.attention_mask[index], self.response_mask[index],
+            self.prompt_width, tuple(self.response_texts[i] for i in index.tolist()),
+        )
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B, R] ids -> [B, R] float mask: 1 up to and including the first EOS (or all, if none)."""
+    is_eos = (response_ids == eos_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before each position
+    return (eos_before == 0).float()
+
+
+@torch.no_grad()
+def generate_rollouts(
+    policy: torch.nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+) -> RolloutBatch:
+    """Sample one response per prompt with the KV cache; `seed` fixes the draw exactly."""
+    ids, attention = left_pad(prompts, tokenizer.pad_token_id)
+    was_training = policy.training
+    policy.eval()
+    torch.manual_seed(seed)
+    out = policy.generate(
+        input_ids=ids, attention_mask=attention, do_sample=True, temperature=params.temperature,
+        top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens, use_cache=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    policy.train(was_training)
+    response = out[:, ids.shape[1] :]
+    mask = response_mask_from_ids(response, tokenizer.eos_token_id)
+    response = torch.where(mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
+    texts = tuple(tokenizer.batch_decode(response, skip_special_tokens=True))
+    return RolloutBatch(
+        input_ids=torch.cat([ids, response], 1), attention_mask=torch.cat([attention, mask.long()], 1),
+        response_mask=mask, prompt_width=ids.shape[1], response_texts=texts,
+    )
+
+
+@torch.no_grad()
+def batched_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, chunk: int = 64) -> torch.Tensor:
+    """Response log-probs [B, R] under `model` (no grad), computed in row chunks."""
+    parts = []
+    for i in range(0, batch.input_ids.shape[0], chunk):
+        lp, _ = token_logprobs(model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk], batch.prompt_width, temperature)
+        parts.append(lp)
+    return torch.cat(parts) * batch.response_mask
+
+
+@torch.no_grad()
+def batched_values(critic: torch.nn.Module, batch: RolloutBatch, chunk: int = 64) -> torch.Tensor:
+    """Critic values [B, R]: position t's value is read at the token before response token t."""
+    parts = []
+    for i in range(0, batch.input_ids.shape[0], chunk):
+        v = token_values(critic, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk])
+        parts.append(v[:, batch.prompt_width - 1 : -1])
+    return torch.cat(parts) * batch.response_mask
+
+
+@torch.no_grad()
+def batched_scores(reward_model: torch.nn.Module, batch: RolloutBatch, chunk: int = 64) -> torch.Tensor:
+    """Raw reward-model scores [B] at each row's last response token."""
+    return torch.cat([
+        sequence_scores(reward_model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk])
+        for i in range(0, batch.input_ids.shape[0], chunk)
+    ])

@@ -1,0 +1,107 @@
+"""The two short stages around training: online labelling before the reward model, and the
+round's evaluation of its starting and final policy."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlflow.engine.batching import batch_indices
+from rlflow.engine.config import DataConfig, EvalConfig, ModelConfig
+from rlflow.engine.data import load_prompts
+from rlflow.engine.evaluation import ScoringModels, encode_prompt_set, evaluate_policy
+from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer
+from rlflow.engine.rollout import SamplingParams, generate_rollouts
+from rlflow.engine.stage import StageContext, StageOutcome, completed_outcome, finish
+from rlflow.engine.train_state import step_seed
+
+PAIRS_FILE = "pairs.jsonl"
+RESULTS_FILE = "results.json"
+
+
+def run_label_stage(
+    ctx: StageContext, policy_path: str, model_cfg: ModelConfig, data: DataConfig, sampling: SamplingParams,
+    labeller: Callable[..., Any], labeller_kwargs: dict[str, Any], n_prompts: int,
+) -> StageOutcome:
+    """The current policy answers `n_prompts` prompts twice; the labeller picks one (ties dropped).
+
+    Writes the labelled pairs as `pairs.jsonl` (prompt, chosen, rejected) in the stage's step 0.
+    """
+    if (done := completed_outcome(ctx)) is not None:
+        return done
+    tokenizer = load_tokenizer(policy_path, model_cfg.trust_remote_code)
+    policy = load_policy(policy_path, model_cfg.dtype, model_cfg.trust_remote_code).eval()
+    records = load_prompts(data.prompts, data.storage_options)
+    chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, ctx.seed, ctx.round_index, 6)
+    prompts, _, _ = encode_prompt_set(tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow)
+    answers = []
+    for draw in (0, 1):
+        texts: list[str] = []
+        for start in range(0, len(prompts.token_ids), 128):
+            batch = generate_rollouts(policy, tokenizer, prompts.token_ids[start : start + 128], sampling, step_seed(ctx.seed, ctx.round_index, draw, start, 8))
+            texts.extend(batch.response_texts)
+        answers.append(texts)
+    rng = random.Random(step_seed(ctx.seed, ctx.round_index, 9))
+    rows, ties = [], 0
+    for record, a, b in zip(prompts.records, *answers):
+        choice = labeller(record.prompt, a, b, rng=rng, **labeller_kwargs, **record.fields)
+        if choice is None:
+            ties += 1
+            continue
+        chosen, rejected = (a, b) if choice == 0 else (b, a)
+        rows.append({"prompt": record.prompt, "chosen": chosen, "rejected": rejected})
+    with ctx.store.writer(0) as writer:
+        writer.write_bytes(PAIRS_FILE, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        writer.meta["identity"] = ctx.identity
+    metrics = {"label/pairs": float(len(rows)), "label/ties_dropped": float(ties)}
+    ctx.sink.log_metrics(metrics, 0)
+    return finish(ctx, 0, metrics, None)
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    start_policy: str  # the round's starting policy (its "before")
+    final_policy: str  # the round's PPO policy (its "after")
+    reference: str
+    sft: str
+    reward_model: str
+    score_norm: tuple[float, float]
+
+
+def run_eval_stage(
+    ctx: StageContext, inputs: EvalInputs, model_cfg: ModelConfig, data: DataConfig, eval_cfg: EvalConfig,
+    sampling: SamplingParams, gold: Callable[..., Any],
+) -> StageOutcome:
+    """Evaluate the start (step 0 of the metrics) and final (step 1) policy on the same prompts
+    with the same sampling seed; the outcome holds both as gold_score_before/after etc."""
+    if (done := completed_outcome(ctx)) is not None:
+        return done
+    kw = {"dtype": model_cfg.dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    tokenizer = load_tokenizer(inputs.final_policy, model_cfg.trust_remote_code)
+    reference = load_policy(inputs.reference, **kw).eval()
+    scoring = ScoringModels(
+        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(), score_norm=inputs.score_norm,
+        reference=reference, sft=reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval(),
+        gold=gold,
+    )
+    records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
+    prompts, _, _ = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow)
+    results: dict[str, Any] = {}
+    for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):
+        policy = load_policy(path, **kw).eval()
+        metrics, samples = evaluate_policy(
+            policy, tokenizer, prompts, scoring, sampling, step_seed(ctx.seed, ctx.round_index, 10),
+            eval_cfg.batch_size, eval_cfg.num_logged_samples,
+        )
+        ctx.sink.log_metrics(metrics, step)
+        ctx.sink.log_table(f"eval_samples_{name}.json", samples)
+        results[name] = {"metrics": metrics, "samples": samples}
+    with ctx.store.writer(0) as writer:
+        writer.write_json(RESULTS_FILE, results)
+        writer.meta["identity"] = ctx.identity
+    before, after = results["before"]["metrics"], results["after"]["metrics"]
+    summary = {f"{k.removeprefix('eval/')}_before": v for k, v in before.items()}
+    summary |= {f"{k.removeprefix('eval/')}_after": v for k, v in after.items()}
+    return finish(ctx, 0, summary, None)

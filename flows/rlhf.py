@@ -1,0 +1,140 @@
+"""The RLHF flow: rounds of (SFT) -> (online labels) -> reward model -> PPO -> evaluation.
+
+Each stage's output checkpoint URI is passed explicitly to the next stage; each stage's identity
+is computed here from its config subtree, its inputs' manifest hashes and its data fingerprints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import fsspec
+from prefect import flow, get_run_logger
+from prefect.types import SecretDict
+
+from rlflow.engine.checkpoint import RunLock
+from rlflow.engine.config import Config, build_config, merge_trees
+from rlflow.engine.data import fingerprint_file
+from rlflow.engine.stage import compute_identity
+from rlflow.tasks.stages import StageResult, StageSpec, eval_task, label_task, ppo_task, rm_task, sft_task
+from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
+
+SUMMARY_KEYS = ("rm_accuracy", "gold_score_before", "gold_score_after", "gold_score_stderr", "kl", "response_length", "distinct_2", "valid_fraction", "seconds")
+
+
+class RoundPlanner:
+    """Builds each stage's spec (identity) from the config and the upstream results."""
+
+    def __init__(self, config: Config, parent_run_id: str):
+        self.config, self.parent_run_id = config, parent_run_id
+        data = config.data
+        self.fingerprints = {
+            name: fingerprint_file(getattr(data, name), data.storage_options)
+            for name in ("sft", "sft_eval", "preferences", "preferences_eval", "prompts", "eval_prompts")
+        }
+
+    def spec(self, stage: str, round_index: int, sections: dict[str, Any], inputs: dict[str, str], data: tuple[str, ...]) -> StageSpec:
+        tree = {
+            "stage": stage, "seed": self.config.run.seed,
+            "config": {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in sections.items()},
+            "inputs": inputs, "data": {name: self.fingerprints[name] for name in data},
+            "data_options": {k: getattr(self.config.data, k) for k in ("max_prompt_tokens", "prompt_overflow")},
+        }
+        return StageSpec(stage=stage, round_index=round_index, identity=compute_identity(tree), identity_tree=tree, parent_run_id=self.parent_run_id)
+
+
+def _input_id(value: str | StageResult) -> str:
+    return value.manifest_sha256 if isinstance(value, StageResult) else value
+
+
+def _uri(value: str | StageResult) -> str:
+    return value.checkpoint_uri if isinstance(value, StageResult) else value
+
+
+def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | StageResult, sft: str | StageResult, labels: list[StageResult]) -> tuple[StageResult, StageResult | str, dict[str, Any], StageResult]:
+    """One round; returns (final policy, SFT policy, summary row, eval result)."""
+    c = config
+    model_section = c.model.model_dump(exclude={"path"})
+    if r in c.sft.rounds:
+        spec = planner.spec("sft", r, {"sft": c.sft.model_dump(exclude={"rounds", "log_every"}), "model": model_section}, {"init": _input_id(policy)}, ("sft", "sft_eval"))
+        sft = policy = sft_task(c, spec, _uri(policy))
+    if c.label.online_from_round is not None and r >= c.label.online_from_round:
+        spec = planner.spec("label", r, {"label": c.label, "ppo_sampling": _sampling(c)}, {"policy": _input_id(policy)}, ("prompts",))
+        labels.append(label_task(c, spec, _uri(policy)))  # the reward model trains on the union
+    rm_init = sft if c.rm.init == "sft" else c.rm.init
+    rm_spec = planner.spec("rm", r, {"rm": c.rm.model_dump(exclude={"log_every"}), "model": model_section},
+                           {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)},
+                           ("preferences", "preferences_eval", "sft"))
+    rm = rm_task(c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels])
+    reference = sft if c.ppo.reference == "sft" else policy
+    inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft)}
+    ppo_spec = planner.spec("ppo", r, {"ppo": c.ppo.model_dump(exclude={"log_every"}), "eval": c.eval, "gold": c.gold, "keep_best": c.checkpoint.keep_best, "model": model_section},
+                            {k: _input_id(v) for k, v in (("policy", policy), ("reference", reference), ("sft", sft), ("rm", rm))}, ("prompts", "eval_prompts"))
+    ppo = ppo_task(c, ppo_spec, inputs, rm)
+    eval_spec = planner.spec("eval", r, {"eval": c.eval, "gold": c.gold, "sampling": _sampling(c), "model": model_section},
+                             {k: _input_id(v) for k, v in (("policy", policy), ("final", ppo), ("reference", reference), ("sft", sft), ("rm", rm))}, ("eval_prompts",))
+    evaluation = eval_task(c, eval_spec, inputs | {"final": ppo.checkpoint_uri}, rm)
+    return ppo, sft, _summary_row(r, rm, evaluation), evaluation
+
+
+def _sampling(c: Config) -> dict[str, Any]:
+    return {"temperature": c.ppo.temperature, "top_p": c.ppo.top_p, "max_new_tokens": c.ppo.max_new_tokens}
+
+
+def _summary_row(r: int, rm: StageResult, evaluation: StageResult) -> dict[str, Any]:
+    m = evaluation.metrics
+    return {
+        "round": r, "rm_accuracy": rm.metrics.get("rm/accuracy"),
+        "gold_score_before": m["gold_score_before"], "gold_score_after": m["gold_score_after"],
+        "gold_score_stderr": m["gold_score_stderr_after"], "kl": m["kl_after"],
+        "response_length": m["response_length_after"], "distinct_2": m["distinct_2_after"],
+        "valid_fraction": m["valid_fraction_after"],
+    }
+
+
+def write_summary(config: Config, rows: list[dict[str, Any]]) -> str:
+    url = f"{config.run.root.rstrip('/')}/{config.run.name}/summary.json"
+    with fsspec.open(url, "w", **config.run.storage_options) as f:
+        json.dump({"run": config.run.name, "rounds": rows}, f, indent=2)
+    return url
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = ["round", *SUMMARY_KEYS]
+    lines = ["  ".join(f"{h:>17}" for h in header)]
+    for row in rows:
+        lines.append("  ".join(f"{_cell(row.get(h)):>17}" for h in header))
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+@flow(name="rlhf", flow_run_name="{config[run][name]}", validate_parameters=False)
+def rlhf_flow(config: dict[str, Any], secrets: SecretDict | None = None, source: str = "config") -> dict[str, Any]:
+    """Run (or continue) `run.name`: `config` is the redacted config tree, `secrets` holds the
+    redacted values (obfuscated in the Prefect UI and API)."""
+    secret_tree = secrets.get_secret_value() if secrets is not None else {}
+    cfg = build_config(merge_trees(config, secret_tree), source)
+    logger = get_run_logger()
+    tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)
+    parent = tracker.parent_run(cfg.run.name, config)
+    tracker.mark_crashed_children(parent)
+    with RunLock(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", cfg.run.storage_options):
+        planner = RoundPlanner(cfg, parent)
+        policy: str | StageResult = cfg.model.path
+        sft: str | StageResult = cfg.model.path
+        labels: list[StageResult] = []
+        rows = []
+        for r in range(cfg.run.rounds):
+            started = time.monotonic()
+            policy, sft, row, _ = run_round(cfg, planner, r, policy, sft, labels)
+            rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
+            url = write_summary(cfg, rows)
+            logger.info("round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url)
+    tracker.sink(parent).log_text("summary.json", json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2))
+    tracker.finish(parent, "FINISHED")
+    return {"run": cfg.run.name, "rounds": rows, "final_policy": policy.checkpoint_uri}

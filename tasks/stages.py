@@ -1,0 +1,163 @@
+"""Thin Prefect tasks, one per stage: open the MLflow child run, call the engine, return a record.
+
+Each task's cache key is the stage identity (config subtree + input manifests + data
+fingerprints), so a re-run shows finished stages as Cached; the engine still checks the store's
+`final` marker, which is the truth about completion.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from prefect import task
+from prefect.context import TaskRunContext
+from pydantic import BaseModel, ConfigDict
+
+from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.config import Config
+from rlflow.engine.metrics import ConsoleSink, FanoutSink
+from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
+from rlflow.engine.reward_model import run_reward_model_stage
+from rlflow.engine.round_stages import PAIRS_FILE, EvalInputs, run_eval_stage, run_label_stage
+from rlflow.engine.rollout import SamplingParams
+from rlflow.engine.scoring import load_function
+from rlflow.engine.sft import run_sft_stage
+from rlflow.engine.stage import StageContext, StageOutcome, set_threads
+from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
+
+STEP_URI = re.compile(r"^(?P<prefix>.+)/step_(?P<step>\d{6})/?$")
+PROGRESS_KEYS = {
+    "sft": ("sft/loss", "sft/eval_loss", "sft/lr"),
+    "rm": ("rm/loss", "rm/train_accuracy", "rm/accuracy"),
+    "ppo": ("critic/score/mean", "actor/kl", "actor/pg_loss", "critic/vf_loss", "response_length/mean", "eval/gold_score", "timing_s/step"),
+    "eval": ("eval/gold_score", "eval/rm_score", "eval/kl", "eval/distinct_2", "eval/valid_fraction"),
+    "label": ("label/pairs", "label/ties_dropped"),
+}
+
+
+class StageResult(BaseModel):
+    """What a task returns (and Prefect persists as JSON): never tensors."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    round_index: int
+    step: int
+    checkpoint_uri: str
+    manifest_sha256: str
+    metrics: dict[str, float]
+    mlflow_run_id: str | None = None
+    resumed_from: int | None = None
+
+
+class StageSpec(BaseModel):
+    """What a task needs besides the config: its place, identity and the MLflow parent run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    round_index: int
+    identity: str
+    identity_tree: dict[str, Any]
+    parent_run_id: str
+
+
+def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    spec: StageSpec = parameters["spec"]
+    config: Config = parameters["config"]
+    return f"rlflow-{config.run.name}-r{spec.round_index}-{spec.stage}-{spec.identity[:32]}"
+
+
+def model_location(uri_or_path: str, storage_options: dict[str, Any], prefix: str = "model") -> str:
+    """A committed step URI -> a local dir with its model; anything else is a model path as is."""
+    match = STEP_URI.match(uri_or_path)
+    if not match:
+        return uri_or_path
+    store = CheckpointStore(match["prefix"], storage_options)
+    return f"{store.local_dir(int(match['step']))}/{prefix}"
+
+
+def _run_tracked(config: Config, spec: StageSpec, total_steps: int | None, body: Callable[[StageContext], StageOutcome]) -> StageResult:
+    set_threads(config.run.threads)
+    tracker = RunTracker(resolve_tracking_uri(config.tracking.uri, config.run.root), config.tracking.experiment)
+    run_id = tracker.child_run(spec.parent_run_id, spec.round_index, spec.stage)
+    console = ConsoleSink(f"round {spec.round_index} {spec.stage}", total_steps, PROGRESS_KEYS[spec.stage])
+    ctx = StageContext(
+        store=CheckpointStore(stage_prefix(config.run.root, config.run.name, spec.round_index, spec.stage), config.run.storage_options),
+        stage=spec.stage, round_index=spec.round_index, seed=config.run.seed, identity=spec.identity,
+        identity_tree=spec.identity_tree, every_steps=config.checkpoint.every_steps,
+        keep_last=config.checkpoint.keep_last, sink=FanoutSink(console, tracker.sink(run_id)),
+    )
+    try:
+        outcome = body(ctx)
+    except BaseException:
+        tracker.finish(run_id, "FAILED")
+        raise
+    tracker.set_tags(run_id, {"rlflow.checkpoint_uri": outcome.checkpoint_uri, "rlflow.identity": spec.identity})
+    tracker.finish(run_id, "FINISHED")
+    return StageResult(
+        stage=outcome.stage, round_index=outcome.round_index, step=outcome.step,
+        checkpoint_uri=outcome.checkpoint_uri, manifest_sha256=outcome.manifest_sha256,
+        metrics=outcome.metrics, mlflow_run_id=run_id, resumed_from=outcome.resumed_from,
+    )
+
+
+STAGE_TASK = dict(
+    cache_key_fn=_cache_key, persist_result=True, result_serializer="json",
+    task_run_name="round-{spec.round_index}-{spec.stage}",
+)
+
+
+@task(name="sft", **STAGE_TASK)
+def sft_task(config: Config, spec: StageSpec, init_uri: str) -> StageResult:
+    so = config.run.storage_options
+    return _run_tracked(config, spec, config.sft.max_steps, lambda ctx: run_sft_stage(
+        ctx, model_location(init_uri, so), config.model, config.sft, config.data))
+
+
+@task(name="label", **STAGE_TASK)
+def label_task(config: Config, spec: StageSpec, policy_uri: str) -> StageResult:
+    labeller = load_function(config.label.labeller.fn, "label.labeller.fn")
+    return _run_tracked(config, spec, None, lambda ctx: run_label_stage(
+        ctx, model_location(policy_uri, config.run.storage_options), config.model, config.data,
+        sampling_of(config), labeller, config.label.labeller.kwargs, config.label.prompts_per_round))
+
+
+@task(name="rm", **STAGE_TASK)
+def rm_task(config: Config, spec: StageSpec, init_uri: str, label_uris: list[str]) -> StageResult:
+    extra = tuple(f"{uri}/{PAIRS_FILE}" for uri in label_uris)
+    return _run_tracked(config, spec, None, lambda ctx: run_reward_model_stage(
+        ctx, model_location(init_uri, config.run.storage_options), config.model, config.rm, config.data, extra))
+
+
+@task(name="ppo", **STAGE_TASK)
+def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
+    so = config.run.storage_options
+    ppo_inputs = PPOInputs(
+        policy=model_location(inputs["policy"], so), reference=model_location(inputs["reference"], so),
+        sft=model_location(inputs["sft"], so), reward_model=model_location(rm.checkpoint_uri, so),
+        score_norm=(rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]),
+        critic=model_location(rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"], so),
+    )
+    gold = load_function(config.gold.fn, "gold.fn")
+    return _run_tracked(config, spec, config.ppo.steps, lambda ctx: run_ppo_stage(
+        ctx, ppo_inputs, config.model, config.ppo, config.eval, config.data, config.checkpoint, gold))
+
+
+@task(name="eval", **STAGE_TASK)
+def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
+    so = config.run.storage_options
+    eval_inputs = EvalInputs(
+        start_policy=model_location(inputs["policy"], so), final_policy=model_location(inputs["final"], so),
+        reference=model_location(inputs["reference"], so), sft=model_location(inputs["sft"], so),
+        reward_model=model_location(rm.checkpoint_uri, so),
+        score_norm=(rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]),
+    )
+    gold = load_function(config.gold.fn, "gold.fn")
+    return _run_tracked(config, spec, None, lambda ctx: run_eval_stage(
+        ctx, eval_inputs, config.model, config.data, config.eval, sampling_of(config), gold))
+
+
+def sampling_of(config: Config) -> SamplingParams:
+    return SamplingParams(config.ppo.temperature, config.ppo.top_p, config.ppo.max_new_tokens)
