@@ -18,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlflow.engine.errors import ConfigError
 
-SECRET_KEY_PATTERN = re.compile(r"(secret|token|password|passwd|credential|access_key|api_key|storage_options)", re.I)
+# Whole key names (or their last "_" part): "hf_token" is secret, "max_new_tokens" is not.
+SECRET_KEY_PATTERN = re.compile(
+    r"^(.*_)?(secret|token|password|passwd|credentials?|access_key|secret_key|api_key|auth|storage_options)$", re.I
+)
 REDACTED = "***"
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -257,7 +260,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value and not SECRET_KEY_PATTERN.search(str(key)):
+        if isinstance(value, dict) and value and not SECRET_KEY_PATTERN.match(str(key)):
             flat.update(flatten(value, name))
         else:
             flat[name] = value
@@ -273,7 +276,7 @@ def split_secrets(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     """(tree with secret values redacted, a tree holding only the secret values)."""
     public, secret = {}, {}
     for key, value in tree.items():
-        if SECRET_KEY_PATTERN.search(str(key)) and value not in (None, {}, ""):
+        if SECRET_KEY_PATTERN.match(str(key)) and value not in (None, {}, ""):
             public[key], secret[key] = REDACTED, value
         elif isinstance(value, dict):
             public[key], inner = split_secrets(value)
