@@ -44,8 +44,11 @@ def run_label_stage(
             texts.extend(batch.response_texts)
         answers.append(texts)
     rng = random.Random(step_seed(ctx.seed, ctx.round_index, 9))
-    rows, ties = [], 0
+    rows, ties, empty = [], 0, 0
     for record, a, b in zip(prompts.records, *answers):
+        if not a.strip() or not b.strip():  # preference data holds non-empty answers only
+            empty += 1
+            continue
         choice = labeller(record.prompt, a, b, rng=rng, **labeller_kwargs, **record.fields)
         if choice is None:
             ties += 1
@@ -55,7 +58,7 @@ def run_label_stage(
     with ctx.store.writer(0) as writer:
         writer.write_bytes(PAIRS_FILE, "".join(json.dumps(r) + "\n" for r in rows).encode())
         writer.meta["identity"] = ctx.identity
-    metrics = {"label/pairs": float(len(rows)), "label/ties_dropped": float(ties)}
+    metrics = {"label/pairs": float(len(rows)), "label/ties_dropped": float(ties), "label/empty_dropped": float(empty)}
     ctx.sink.log_metrics(metrics, 0)
     return finish(ctx, 0, metrics, None)
 

@@ -12,6 +12,11 @@ from typing import Any
 
 import fsspec
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterState, FlowRunFilterStateType
+from prefect.client.schemas.objects import StateType
+from prefect.runtime import flow_run
+from prefect.states import Crashed
 from prefect.types import SecretDict
 
 from rlflow.engine.checkpoint import RunLock
@@ -113,6 +118,19 @@ def _cell(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def mark_stale_flow_runs_crashed(run_name: str) -> list[str]:
+    """Other flow runs of this run name still "Running" belong to a killed process (we hold the
+    run lock, so none can be alive): mark them Crashed so the Prefect UI tells the truth."""
+    current = flow_run.get_id()
+    state_filter = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name]), state=state_filter))
+        stale = [r for r in runs if str(r.id) != str(current)]
+        for run in stale:
+            client.set_flow_run_state(run.id, Crashed(message="process killed; continued by a later flow run"), force=True)
+    return [str(r.id) for r in stale]
+
+
 @flow(name="rlhf", flow_run_name="{config[run][name]}", validate_parameters=False)
 def rlhf_flow(config: dict[str, Any], secrets: SecretDict | None = None, source: str = "config") -> dict[str, Any]:
     """Run (or continue) `run.name`: `config` is the redacted config tree, `secrets` holds the
@@ -124,6 +142,8 @@ def rlhf_flow(config: dict[str, Any], secrets: SecretDict | None = None, source:
     parent = tracker.parent_run(cfg.run.name, config)
     tracker.mark_crashed_children(parent)
     with RunLock(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", cfg.run.storage_options):
+        for stale in mark_stale_flow_runs_crashed(cfg.run.name):
+            logger.warning("flow run %s of '%s' was left Running by a killed process: marked Crashed", stale, cfg.run.name)
         planner = RoundPlanner(cfg, parent)
         policy: str | StageResult = cfg.model.path
         sft: str | StageResult = cfg.model.path

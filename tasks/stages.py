@@ -94,7 +94,10 @@ def _run_tracked(config: Config, spec: StageSpec, total_steps: int | None, body:
     except BaseException:
         tracker.finish(run_id, "FAILED")
         raise
-    tracker.set_tags(run_id, {"rlflow.checkpoint_uri": outcome.checkpoint_uri, "rlflow.identity": spec.identity})
+    tracker.set_tags(run_id, {
+        "rlflow.checkpoint_uri": outcome.checkpoint_uri, "rlflow.identity": spec.identity,
+        "rlflow.resumed_from": "" if outcome.resumed_from is None else str(outcome.resumed_from),
+    })
     tracker.finish(run_id, "FINISHED")
     return StageResult(
         stage=outcome.stage, round_index=outcome.round_index, step=outcome.step,

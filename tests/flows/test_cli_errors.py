@@ -1,0 +1,56 @@
+"""Bad input: one line naming the problem, exit code 2, no traceback, before any server starts."""
+
+import json
+
+import pytest
+import yaml
+
+from conftest import small_config_tree
+from rlflow.flows.cli import main
+
+
+@pytest.fixture
+def write_config(small_assets, tmp_path):
+    def write(**sections):
+        tree = small_config_tree(small_assets, tmp_path / "runs", **sections)
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        return str(path)
+
+    return write
+
+
+def run_cli(capsys, *argv):
+    code = main(["run", *argv])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def data_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+CASES = {
+    "unknown key": (lambda t, w: (w(), "ppo.stepz=3"), r"unknown key 'ppo.stepz' in ppo; valid keys: .*steps"),
+    "wrong type": (lambda t, w: (w(), "ppo.steps=many"), r"invalid value for 'ppo.steps': 'many'"),
+    "missing data file": (lambda t, w: (w(data={"sft": str(t / "nope.jsonl")}),), r"data file not found: .*nope.jsonl"),
+    "malformed jsonl": (lambda t, w: (w(data={"prompts": data_file(t, "p.jsonl", '{"prompt": "a"}\n{"prompt": \n')}),), r"p.jsonl:2: .*JSON"),
+    "missing field": (lambda t, w: (w(data={"preferences": data_file(t, "pr.jsonl", json.dumps({"prompt": "a", "chosen": "b"}) + "\n")}),), r"pr.jsonl:1: missing field 'rejected'"),
+    "empty dataset": (lambda t, w: (w(data={"eval_prompts": data_file(t, "e.jsonl", "\n")}),), r"e.jsonl contains no records"),
+    "missing model": (lambda t, w: (w(model={"path": str(t / "no-model")}),), r"model.path .*no-model.* does not exist"),
+    "unsafe run name": (lambda t, w: (w(), "run.name=../../etc"), r"not safe for a path"),
+    "missing config": (lambda t, w: (str(t / "absent.yaml"),), r"config file not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gets_one_line_and_exit_2(case, capsys, tmp_path, write_config):
+    make_args, pattern = CASES[case]
+    code, err = run_cli(capsys, *make_args(tmp_path, write_config))
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("rlflow: error: ")
+    assert __import__("re").search(pattern, err), err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("manifest.json"))

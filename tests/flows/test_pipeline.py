@@ -1,0 +1,122 @@
+"""The whole flow through the real CLI, a real Prefect server and a real MLflow sqlite store:
+the run tree and Prefect's task runs are checked, and a SIGKILLed run continues where it stopped."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from conftest import small_config_tree
+from rlflow.engine.checkpoint import CheckpointStore
+
+
+def cli(config_path, *overrides, **popen):
+    cmd = [sys.executable, "-m", "rlflow.flows.cli", "run", str(config_path), *overrides]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def finish(proc, timeout=400):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def write_config(path, tree):
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def mlflow_runs(root):
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
+    experiment = client.get_experiment_by_name("rlflow")
+    runs = client.search_runs([experiment.experiment_id], max_results=500)
+    parents = [r for r in runs if r.data.tags.get("rlflow.kind") == "parent"]
+    children = {(r.data.tags["rlflow.round"], r.data.tags["rlflow.stage"]): r for r in runs if r.data.tags.get("rlflow.kind") == "child"}
+    return client, parents, children
+
+
+def prefect_task_runs(run_name):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
+        flow_runs = sorted(flow_runs, key=lambda r: r.created)
+        tasks = [sorted(client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]})), key=lambda t: t.created) for fr in flow_runs]
+    return flow_runs, tasks
+
+
+def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
+    root = tmp_path / "runs"
+    tree = small_config_tree(small_assets, root, run={"name": "e2e", "rounds": 2})
+    out = finish(cli(write_config(tmp_path / "c.yaml", tree)))
+    assert "[round 1 ppo] step 3/3" in out and "gold_score_before" in out
+
+    summary = json.loads((root / "e2e" / "summary.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == [0, 1]
+    for row in summary["rounds"]:
+        assert set(row) >= {"rm_accuracy", "gold_score_before", "gold_score_after", "gold_score_stderr", "kl", "response_length", "distinct_2", "seconds"}
+        assert 0 <= row["gold_score_after"] <= 1
+    assert (root / "e2e" / "round_0" / "ppo" / "step_000003" / "manifest.json").exists()
+    assert json.loads((root / "e2e" / "round_1" / "ppo" / "final.json").read_text())["step"] == 3
+
+    client, parents, children = mlflow_runs(root)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert set(children) == {("0", "sft"), ("0", "rm"), ("0", "ppo"), ("0", "eval"), ("1", "label"), ("1", "rm"), ("1", "ppo"), ("1", "eval")}
+    for child in children.values():
+        assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+        assert child.info.status == "FINISHED"
+        assert "checkpoint_uri.txt" in {a.path for a in client.list_artifacts(child.info.run_id)}
+    assert parents[0].data.params["ppo.steps"] == "3" and parents[0].data.params["run.name"] == "e2e"
+    assert "config.yaml" in {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+    ppo = children[("1", "ppo")]
+    assert [m.step for m in client.get_metric_history(ppo.info.run_id, "actor/pg_loss")] == [1, 2, 3]
+    assert "eval_samples_after.json" in {a.path for a in client.list_artifacts(children[("1", "eval")].info.run_id)}
+
+    flow_runs, tasks = prefect_task_runs("e2e")
+    assert [fr.state.type.value for fr in flow_runs] == ["COMPLETED"]
+    assert [t.name for t in tasks[0]] == ["round-0-sft", "round-0-rm", "round-0-ppo", "round-0-eval",
+                                          "round-1-label", "round-1-rm", "round-1-ppo", "round-1-eval"]
+    assert {t.state.name for t in tasks[0]} == {"Completed"}
+
+
+def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_assets, tmp_path):
+    root = tmp_path / "runs"
+    tree = small_config_tree(small_assets, root, run={"name": "kill"}, ppo={"steps": 8}, checkpoint={"every_steps": 2, "keep_last": 5})
+    config = write_config(tmp_path / "c.yaml", tree)
+    proc = cli(config)
+    marker = root / "kill" / "round_0" / "ppo" / "step_000002" / "manifest.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no PPO checkpoint appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    store = CheckpointStore(str(root / "kill" / "round_0" / "ppo"))
+    resumed_from = store.latest()
+    assert resumed_from is not None and resumed_from < 8 and store.final() is None
+
+    out = finish(cli(config))
+    assert f"[round 0 ppo] step {resumed_from + 1}/8" in out
+    assert "[round 0 sft] step" not in out and "[round 0 rm] step" not in out
+
+    client, parents, children = mlflow_runs(root)
+    assert len(parents) == 1
+    ppo = children[("0", "ppo")]
+    assert ppo.data.tags["rlflow.resumed_from"] == str(resumed_from)
+    for key in ("actor/pg_loss", "critic/score/mean", "actor/kl"):
+        assert [m.step for m in client.get_metric_history(ppo.info.run_id, key)] == list(range(1, 9)), key
+
+    flow_runs, tasks = prefect_task_runs("kill")
+    assert [fr.state.type.value for fr in flow_runs] == ["CRASHED", "COMPLETED"]
+    states = {t.name: t.state.name for t in tasks[1]}
+    assert states["round-0-sft"] == "Cached" and states["round-0-rm"] == "Cached"
+    assert states["round-0-ppo"] == "Completed" and states["round-0-eval"] == "Completed"
