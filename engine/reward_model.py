@@ -77,7 +77,8 @@ def run_reward_model_stage(
     for url in extra_preferences:
         pairs += load_preference_pairs(url, data.storage_options)
     train_rows = _pair_rows(tokenizer, pairs, cfg.max_seq_tokens)
-    eval_rows = _pair_rows(tokenizer, load_preference_pairs(data.preferences_eval, data.storage_options), cfg.max_seq_tokens)
+    eval_pairs = [p for p in load_preference_pairs(data.preferences_eval, data.storage_options) if p.chosen != p.rejected]
+    eval_rows = _pair_rows(tokenizer, eval_pairs, cfg.max_seq_tokens)  # tied pairs carry no label: dropped
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
     schedule = make_schedule(optimizer, cfg.warmup_steps, total_steps)

@@ -98,3 +98,29 @@ def test_reward_model_learns_preferences(trained, small_assets, tmp_path):
     after = load_scalar_model(f"{outcome.checkpoint_uri}/model").state_dict()
     unchanged = [k for k in after if k in before and torch.equal(before[k], after[k]) and after[k].dtype.is_floating_point]
     assert unchanged == []
+
+
+def test_sft_checkpoints_through_s3_and_resumes_from_there(small_assets, s3_bucket, tmp_path):
+    url, options = s3_bucket
+    cfg = build_config(small_config_tree(small_assets, tmp_path, sft={"max_steps": 4, "eval_every": 2, "patience": 10}), "t")
+
+    def ctx():
+        return StageContext(store=CheckpointStore(f"{url}/run/round_0/sft", options), stage="sft", round_index=0,
+                            seed=0, identity="s3", identity_tree={}, every_steps=2)
+
+    first = ctx()
+    outcome = run_sft_stage(first, cfg.model.path, cfg.model, cfg.sft, cfg.data)
+    assert outcome.checkpoint_uri == f"{url}/run/round_0/sft/step_000004"
+    assert first.store.committed_steps() == [2, 4]
+    first.store.verify(4)
+    # The weights come back from S3 as an ordinary HF directory.
+    local = first.store.local_dir(4, cache_dir=str(tmp_path / "cache"))
+    assert load_policy(f"{local}/model").config.model_type == "llama"
+    # Killed after step 2 (later step and final marker gone): the stage continues from S3.
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    fs.rm(f"{url}/run/round_0/sft/final.json")
+    fs.rm(f"{url}/run/round_0/sft/step_000004", recursive=True)
+    resumed = run_sft_stage(ctx(), cfg.model.path, cfg.model, cfg.sft, cfg.data)
+    assert resumed.resumed_from == 2 and resumed.step == 4
