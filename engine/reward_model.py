@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, right_pad
 from rlflow.engine.config import DataConfig, ModelConfig, RewardModelConfig
 from rlflow.engine.data import PreferencePair, load_preference_pairs, load_sft_examples
-from rlflow.engine.models import load_scalar_model, load_tokenizer, model_dir, sequence_scores
+from rlflow.engine.models import load_scalar_model, load_tokenizer, sequence_scores
 from rlflow.engine.stage import (
-    StageContext, StageOutcome, completed_outcome, fault_point, finish, latest_resumable,
-    restore_training_state, save_checkpoint,
+    StageContext, StageOutcome, completed_outcome, fault_point, finish, restore_training_state,
+    resume_point, save_checkpoint,
 )
 from rlflow.engine.train_state import make_optimizer, make_schedule
 
@@ -67,8 +67,7 @@ def run_reward_model_stage(
     accuracy on data.preferences_eval (clean gold labels)."""
     if (done := completed_outcome(ctx)) is not None:
         return done
-    resume = latest_resumable(ctx)
-    source = model_dir(ctx.store.local_dir(resume)) if resume is not None else init_path
+    resume, source = resume_point(ctx, init_path)
     tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
     model = load_scalar_model(source, model_cfg.dtype, model_cfg.trust_remote_code)
     model.config.pad_token_id = tokenizer.pad_token_id

@@ -10,10 +10,10 @@ import torch
 from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, right_pad
 from rlflow.engine.config import DataConfig, ModelConfig, SFTConfig
 from rlflow.engine.data import load_sft_examples
-from rlflow.engine.models import load_policy, load_tokenizer, model_dir, position_ids_from_mask
+from rlflow.engine.models import load_policy, load_tokenizer, position_ids_from_mask
 from rlflow.engine.stage import (
-    StageContext, StageOutcome, completed_outcome, fault_point, finish, latest_resumable,
-    restore_training_state, save_checkpoint,
+    StageContext, StageOutcome, completed_outcome, fault_point, finish, restore_training_state,
+    resume_point, save_checkpoint,
 )
 from rlflow.engine.train_state import make_optimizer, make_schedule
 
@@ -51,8 +51,7 @@ def run_sft_stage(
     """
     if (done := completed_outcome(ctx)) is not None:
         return done
-    resume = latest_resumable(ctx)
-    source = model_dir(ctx.store.local_dir(resume)) if resume is not None else init_path
+    resume, source = resume_point(ctx, init_path)
     tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
     model = load_policy(source, model_cfg.dtype, model_cfg.trust_remote_code)
     model.train()

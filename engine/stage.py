@@ -18,7 +18,7 @@ from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import diff_keys
 from rlflow.engine.errors import CheckpointError
 from rlflow.engine.metrics import MetricsSink, NullSink
-from rlflow.engine.models import save_model_dir
+from rlflow.engine.models import model_dir, save_model_dir
 from rlflow.engine.train_state import load_training_state, save_training_state
 
 FAULT_ENV = "RLFLOW_FAULT"  # "<stage>:<event>:<step>": die (os._exit) at that point, for kill tests
@@ -114,6 +114,12 @@ def latest_resumable(ctx: StageContext) -> int | None:
         if ctx.store.manifest(step)["meta"].get("identity") == ctx.identity:
             return step
     return None
+
+
+def resume_point(ctx: StageContext, init_path: str) -> tuple[int | None, str]:
+    """(latest resumable step or None, the model directory to load: that step's or init_path)."""
+    step = latest_resumable(ctx)
+    return step, (model_dir(ctx.store.local_dir(step)) if step is not None else init_path)
 
 
 def restore_training_state(ctx: StageContext, step: int, optimizers: dict[str, Any], schedulers: dict[str, Any]) -> dict[str, Any]:

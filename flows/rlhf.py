@@ -72,7 +72,7 @@ def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | Stage
     rm_spec = planner.spec("rm", r, {"rm": c.rm.model_dump(exclude={"log_every"}), "model": model_section},
                            {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)},
                            ("preferences", "preferences_eval", "sft"))
-    rm = rm_task(c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels])
+    rm = rm_task(c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels if l.metrics.get("label/pairs", 0) > 0])
     reference = sft if c.ppo.reference == "sft" else policy
     inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft)}
     ppo_spec = planner.spec("ppo", r, {"ppo": c.ppo.model_dump(exclude={"log_every"}), "eval": c.eval, "gold": c.gold, "keep_best": c.checkpoint.keep_best, "model": model_section},
@@ -96,6 +96,8 @@ def _summary_row(r: int, rm: StageResult, evaluation: StageResult) -> dict[str, 
         "gold_score_stderr": m["gold_score_stderr_after"], "kl": m["kl_after"],
         "response_length": m["response_length_after"], "distinct_2": m["distinct_2_after"],
         "valid_fraction": m["valid_fraction_after"],
+        "response_length_before": m["response_length_before"], "distinct_2_before": m["distinct_2_before"],
+        "valid_fraction_before": m["valid_fraction_before"],
     }
 
 

@@ -87,11 +87,12 @@ def test_sft_resumes_from_latest_commit(small_assets, tmp_path):
 
 def test_reward_model_learns_preferences(trained, small_assets, tmp_path):
     sft_dir, rm_dir, (mean, std) = trained
-    cfg = build_config(small_config_tree(small_assets, tmp_path, rm={"epochs": 1, "log_every": 1}), "t")
+    cfg = build_config(small_config_tree(small_assets, tmp_path, rm={"epochs": 3, "log_every": 1}), "t")
     sink = RecordingSink()
     outcome = run_reward_model_stage(make_ctx(tmp_path, "rm", sink=sink), sft_dir, cfg.model, cfg.rm, cfg.data)
     losses = [v for _, v in sink.series("rm/loss")]
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.1
+    assert len(losses) == 39  # 3 epochs x ceil(400 pairs / 32)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.15  # starts at log 2 = 0.693 (zero-initialised head)
     assert outcome.metrics["rm/accuracy"] >= 0.7  # clean held-out labels
     assert outcome.metrics["rm/score_std"] > 0
     before = load_scalar_model(sft_dir).state_dict()

@@ -42,11 +42,14 @@ def mlflow_runs(root):
     return client, parents, children
 
 
-def prefect_task_runs(run_name):
+def prefect_task_runs(api_url, run_name):
+    """Flow runs of `run_name` (oldest first) and each one's task runs, read from the server."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with get_client(sync_client=True) as client:
+    # Prefect read its settings when first imported: point this process's client explicitly.
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
         flow_runs = sorted(flow_runs, key=lambda r: r.created)
         tasks = [sorted(client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]})), key=lambda t: t.created) for fr in flow_runs]
@@ -80,7 +83,7 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "actor/pg_loss")] == [1, 2, 3]
     assert "eval_samples_after.json" in {a.path for a in client.list_artifacts(children[("1", "eval")].info.run_id)}
 
-    flow_runs, tasks = prefect_task_runs("e2e")
+    flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
     assert [fr.state.type.value for fr in flow_runs] == ["COMPLETED"]
     assert [t.name for t in tasks[0]] == ["round-0-sft", "round-0-rm", "round-0-ppo", "round-0-eval",
                                           "round-1-label", "round-1-rm", "round-1-ppo", "round-1-eval"]
@@ -115,7 +118,7 @@ def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_asse
     for key in ("actor/pg_loss", "critic/score/mean", "actor/kl"):
         assert [m.step for m in client.get_metric_history(ppo.info.run_id, key)] == list(range(1, 9)), key
 
-    flow_runs, tasks = prefect_task_runs("kill")
+    flow_runs, tasks = prefect_task_runs(prefect_server, "kill")
     assert [fr.state.type.value for fr in flow_runs] == ["CRASHED", "COMPLETED"]
     states = {t.name: t.state.name for t in tasks[1]}
     assert states["round-0-sft"] == "Cached" and states["round-0-rm"] == "Cached"
