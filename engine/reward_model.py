@@ -112,5 +112,6 @@ def run_reward_model_stage(
             save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"rm": optimizer}, {"rm": schedule}, {"score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)]})
     if "rm/accuracy" not in metrics:  # resumed exactly at the last step
         metrics["rm/accuracy"] = pairwise_accuracy(model, eval_rows, pad)
+    metrics["rm/score_mean"], metrics["rm/score_std"] = ctx.store.manifest(step)["meta"]["score_norm"]
     keep = ("rm/loss", "rm/accuracy", "rm/score_mean", "rm/score_std")
     return finish(ctx, step, {k: metrics[k] for k in keep if k in metrics} | {"rm/pairs": len(train_rows)}, resume)

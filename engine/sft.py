@@ -83,7 +83,9 @@ def run_sft_stage(
         done_now = step >= cfg.max_steps or state["bad_evals"] >= cfg.patience
         if step % ctx.every_steps == 0 or done_now:
             save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"policy": optimizer}, {"policy": schedule}, {"sft_state": state})
-    final_metrics = {"sft/loss": metrics.get("sft/loss", float("nan")), "sft/eval_loss": state["best_eval_loss"], "sft/steps": step}
+    final_metrics = {"sft/eval_loss": state["best_eval_loss"], "sft/steps": step}
+    if "sft/loss" in metrics:  # absent when resumed exactly at the last step
+        final_metrics["sft/loss"] = metrics["sft/loss"]
     return finish(ctx, step, final_metrics, resume)
 
 

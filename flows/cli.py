@@ -7,6 +7,7 @@ checked before the Prefect server starts, so a typo costs a second, not a server
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets as pysecrets
 import sys
@@ -58,11 +59,10 @@ def command_run(args: argparse.Namespace) -> int:
     public, secret = split_secrets(config.model_dump(mode="json"))
     print(f"rlflow: run '{config.run.name}' -> {config.run.root.rstrip('/')}/{config.run.name}", flush=True)
 
-    from prefect.types import SecretDict
+    from rlflow.flows.rlhf import SECRETS_ENV, format_table, rlhf_flow
 
-    from rlflow.flows.rlhf import format_table, rlhf_flow
-
-    result = rlhf_flow(config=public, secrets=SecretDict(secret), source=args.config)
+    os.environ[SECRETS_ENV] = json.dumps(secret)
+    result = rlhf_flow(config=public, source=args.config)
     print(f"\nrun '{result['run']}' finished; final policy: {result['final_policy']}")
     print(format_table(result["rounds"]))
     return 0

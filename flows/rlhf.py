@@ -7,6 +7,7 @@ is computed here from its config subtree, its inputs' manifest hashes and its da
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -17,13 +18,14 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, Flo
 from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 from prefect.states import Crashed
-from prefect.types import SecretDict
 
 from rlflow.engine.checkpoint import RunLock
 from rlflow.engine.config import Config, build_config, merge_trees
 from rlflow.engine.data import fingerprint_file
 from rlflow.engine.stage import compute_identity
-from rlflow.tasks.stages import StageResult, StageSpec, eval_task, label_task, ppo_task, rm_task, sft_task
+from rlflow.tasks.stages import (
+    StageResult, StageSpec, eval_task, label_task, output_exists, ppo_task, rm_task, sft_task,
+)
 from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
 
 SUMMARY_KEYS = ("rm_accuracy", "gold_score_before", "gold_score_after", "gold_score_stderr", "kl", "response_length", "distinct_2", "valid_fraction", "seconds")
@@ -50,6 +52,15 @@ class RoundPlanner:
         return StageSpec(stage=stage, round_index=round_index, identity=compute_identity(tree), identity_tree=tree, parent_run_id=self.parent_run_id)
 
 
+def run_stage(task_fn: Any, config: Config, spec: StageSpec, *args: Any) -> StageResult:
+    """Call a stage task; a cached result whose checkpoint is gone (deleted or pruned by hand)
+    is not trusted: the task runs again with the cache refreshed."""
+    result = task_fn(config, spec, *args)
+    if not output_exists(config, result):
+        result = task_fn.with_options(refresh_cache=True)(config, spec, *args)
+    return result
+
+
 def _input_id(value: str | StageResult) -> str:
     return value.manifest_sha256 if isinstance(value, StageResult) else value
 
@@ -64,23 +75,23 @@ def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | Stage
     model_section = c.model.model_dump(exclude={"path"})
     if r in c.sft.rounds:
         spec = planner.spec("sft", r, {"sft": c.sft.model_dump(exclude={"rounds", "log_every"}), "model": model_section}, {"init": _input_id(policy)}, ("sft", "sft_eval"))
-        sft = policy = sft_task(c, spec, _uri(policy))
+        sft = policy = run_stage(sft_task, c, spec, _uri(policy))
     if c.label.online_from_round is not None and r >= c.label.online_from_round:
         spec = planner.spec("label", r, {"label": c.label, "ppo_sampling": _sampling(c)}, {"policy": _input_id(policy)}, ("prompts",))
-        labels.append(label_task(c, spec, _uri(policy)))  # the reward model trains on the union
+        labels.append(run_stage(label_task, c, spec, _uri(policy)))  # the reward model trains on the union
     rm_init = sft if c.rm.init == "sft" else c.rm.init
     rm_spec = planner.spec("rm", r, {"rm": c.rm.model_dump(exclude={"log_every"}), "model": model_section},
                            {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)},
                            ("preferences", "preferences_eval", "sft"))
-    rm = rm_task(c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels if l.metrics.get("label/pairs", 0) > 0])
+    rm = run_stage(rm_task, c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels if l.metrics.get("label/pairs", 0) > 0])
     reference = sft if c.ppo.reference == "sft" else policy
     inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft)}
     ppo_spec = planner.spec("ppo", r, {"ppo": c.ppo.model_dump(exclude={"log_every"}), "eval": c.eval, "gold": c.gold, "keep_best": c.checkpoint.keep_best, "model": model_section},
                             {k: _input_id(v) for k, v in (("policy", policy), ("reference", reference), ("sft", sft), ("rm", rm))}, ("prompts", "eval_prompts"))
-    ppo = ppo_task(c, ppo_spec, inputs, rm)
+    ppo = run_stage(ppo_task, c, ppo_spec, inputs, rm)
     eval_spec = planner.spec("eval", r, {"eval": c.eval, "gold": c.gold, "sampling": _sampling(c), "model": model_section},
                              {k: _input_id(v) for k, v in (("policy", policy), ("final", ppo), ("reference", reference), ("sft", sft), ("rm", rm))}, ("eval_prompts",))
-    evaluation = eval_task(c, eval_spec, inputs | {"final": ppo.checkpoint_uri}, rm)
+    evaluation = run_stage(eval_task, c, eval_spec, inputs | {"final": ppo.checkpoint_uri}, rm)
     return ppo, sft, _summary_row(r, rm, evaluation), evaluation
 
 
@@ -133,11 +144,15 @@ def mark_stale_flow_runs_crashed(run_name: str) -> list[str]:
     return [str(r.id) for r in stale]
 
 
-@flow(name="rlhf", flow_run_name="{config[run][name]}", validate_parameters=False)
-def rlhf_flow(config: dict[str, Any], secrets: SecretDict | None = None, source: str = "config") -> dict[str, Any]:
-    """Run (or continue) `run.name`: `config` is the redacted config tree, `secrets` holds the
-    redacted values (obfuscated in the Prefect UI and API)."""
-    secret_tree = secrets.get_secret_value() if secrets is not None else {}
+SECRETS_ENV = "RLFLOW_SECRETS"  # JSON tree of the redacted config values; never a flow parameter
+
+
+@flow(name="rlhf", flow_run_name="{config[run][name]}")
+def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
+    """Run (or continue) `run.name`. `config` is the config tree with secret values redacted (it
+    is stored by Prefect as the flow run's parameters); the secret values come from the
+    environment variable RLFLOW_SECRETS, so no secret is ever stored in Prefect."""
+    secret_tree = json.loads(os.environ.get(SECRETS_ENV) or "{}")
     cfg = build_config(merge_trees(config, secret_tree), source)
     logger = get_run_logger()
     tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)

@@ -69,6 +69,13 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     return f"rlflow-{config.run.name}-r{spec.round_index}-{spec.stage}-{spec.identity[:32]}"
 
 
+def output_exists(config: Config, result: StageResult) -> bool:
+    """Whether the store still holds the final output a (possibly cached) result points to."""
+    store = CheckpointStore(stage_prefix(config.run.root, config.run.name, result.round_index, result.stage), config.run.storage_options)
+    final = store.final()
+    return final is not None and final["manifest_sha256"] == result.manifest_sha256
+
+
 def model_location(uri_or_path: str, storage_options: dict[str, Any], prefix: str = "model") -> str:
     """A committed step URI -> a local dir with its model; anything else is a model path as is."""
     match = STEP_URI.match(uri_or_path)

@@ -3,6 +3,7 @@ the run tree and Prefect's task runs are checked, and a SIGKILLed run continues 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,9 +59,12 @@ def prefect_task_runs(api_url, run_name):
 
 def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     root = tmp_path / "runs"
-    tree = small_config_tree(small_assets, root, run={"name": "e2e", "rounds": 2})
-    out = finish(cli(write_config(tmp_path / "c.yaml", tree)))
+    secret = "S3CR3T-VALUE-42"  # storage options are secret: never in logs, MLflow or Prefect
+    tree = small_config_tree(small_assets, root, run={"name": "e2e", "rounds": 2, "storage_options": {"auto_mkdir": True, "secret_marker": secret}})
+    config = write_config(tmp_path / "c.yaml", tree)
+    out = finish(cli(config))
     assert "[round 1 ppo] step 3/3" in out and "gold_score_before" in out
+    assert secret not in out
 
     summary = json.loads((root / "e2e" / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
@@ -83,11 +87,33 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "actor/pg_loss")] == [1, 2, 3]
     assert "eval_samples_after.json" in {a.path for a in client.list_artifacts(children[("1", "eval")].info.run_id)}
 
+    for run in (parents[0], *children.values()):
+        assert secret not in json.dumps(run.data.params)
+    assert secret not in (root / "mlartifacts").joinpath(*_artifact_path(parents[0], "config.yaml")).read_text()
+
     flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
     assert [fr.state.type.value for fr in flow_runs] == ["COMPLETED"]
+    assert secret not in json.dumps(flow_runs[0].parameters, default=str)
     assert [t.name for t in tasks[0]] == ["round-0-sft", "round-0-rm", "round-0-ppo", "round-0-eval",
                                           "round-1-label", "round-1-rm", "round-1-ppo", "round-1-eval"]
     assert {t.state.name for t in tasks[0]} == {"Completed"}
+
+    # Same command again after the last stage's checkpoints were deleted by hand: every other
+    # stage comes from Prefect's cache, the deleted one is not trusted to the cache and runs again.
+    shutil.rmtree(root / "e2e" / "round_1" / "eval")
+    out = finish(cli(config))
+    assert "[round 1 eval] step 1" in out and "[round 0 sft] step" not in out and "[round 1 ppo] step" not in out
+    flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
+    states = [(t.name, t.state.name) for t in tasks[1]]
+    assert states[:7] == [(name, "Cached") for name, _ in states[:7]]
+    assert states[-1] == ("round-1-eval", "Completed")
+    assert json.loads((root / "e2e" / "round_1" / "eval" / "final.json").read_text())["step"] == 0
+
+
+def _artifact_path(run, name):
+    # artifact_uri: file://<root>/mlartifacts/<experiment id>/<run id>/artifacts
+    parts = run.info.artifact_uri.split("/mlartifacts/")[1].split("/")
+    return (*parts, name)
 
 
 def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_assets, tmp_path):
