@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import socket
-import tempfile
 import uuid
 from typing import Any, BinaryIO, Callable
 
@@ -334,18 +333,17 @@ class CheckpointStore:
         """Return a local directory holding the step's files (e.g. for ``from_pretrained``).
 
         Local stores return the step directory itself. Remote steps are downloaded, sha256-
-        checked, into ``cache_dir`` (reused, keyed by manifest hash) or a new temp dir.
+        checked, into ``cache_dir`` (default: $RLFLOW_CACHE_DIR or ~/.cache/rlflow/checkpoints),
+        reused while the manifest is unchanged.
         """
         raw, manifest = self._require_manifest(step)
         if self._local:
             return self._step_path(step)
-        if cache_dir is None:
-            dest = os.path.join(tempfile.mkdtemp(prefix="rlflow-ckpt-"), f"step_{step:06d}")
-        else:
-            key = hashlib.sha256(raw).hexdigest()[:16]
-            dest = os.path.join(cache_dir, f"step_{step:06d}-{key}")
-            if os.path.isfile(os.path.join(dest, MANIFEST)):
-                return dest  # complete: the directory only appears by the rename below
+        # Keyed by manifest hash: a step rewritten under the same number is a new directory.
+        cache_dir = cache_dir or os.environ.get("RLFLOW_CACHE_DIR") or os.path.expanduser("~/.cache/rlflow/checkpoints")
+        dest = os.path.join(cache_dir, f"step_{step:06d}-{hashlib.sha256(raw).hexdigest()[:16]}")
+        if os.path.isfile(os.path.join(dest, MANIFEST)):
+            return dest  # complete: the directory only appears by the rename below
         tmp = f"{dest}.tmp-{uuid.uuid4().hex}"
         try:
             for name, entry in manifest["files"].items():

@@ -158,7 +158,8 @@ class LabelConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
-    keep_best: str | None = None  # e.g. "eval/rm_score": that step is never pruned
+    keep_best: str | None = None  # e.g. "eval/rm_score": the best evaluated step is never pruned
+    keep_best_mode: Literal["max", "min"] = "max"  # "min" for losses and KL
 
 
 class TrackingConfig(Section):

@@ -82,7 +82,7 @@ def run_ppo_stage(
         if step % eval_cfg.every_steps == 0 or last:
             eval_metrics, samples = run_evaluation(models, eval_prompts, cfg, step_seed(ctx.seed, ctx.round_index, 7), eval_cfg.batch_size, eval_cfg.num_logged_samples)
             metrics.update(eval_metrics)
-            _track_best(state, checkpoint.keep_best, metrics, step)
+            _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
             if last:
                 ctx.sink.log_table("eval_samples.json", samples)
         metrics["timing_s/elapsed"] = time.monotonic() - started
@@ -99,6 +99,9 @@ def run_ppo_stage(
     return finish(ctx, step, summary, resume)
 
 
-def _track_best(state: dict[str, Any], metric: str | None, metrics: dict[str, float], step: int) -> None:
-    if metric and metric in metrics and (state["best"] is None or metrics[metric] > state["best"]):
+def _track_best(state: dict[str, Any], metric: str | None, mode: str, metrics: dict[str, float], step: int) -> None:
+    if not metric or metric not in metrics:
+        return
+    sign = 1.0 if mode == "max" else -1.0
+    if state["best"] is None or sign * metrics[metric] > sign * state["best"]:
         state["best"], state["best_step"] = metrics[metric], step

@@ -86,7 +86,7 @@ def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | Stage
     rm = run_stage(rm_task, c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels if l.metrics.get("label/pairs", 0) > 0])
     reference = sft if c.ppo.reference == "sft" else policy
     inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft)}
-    ppo_spec = planner.spec("ppo", r, {"ppo": c.ppo.model_dump(exclude={"log_every"}), "eval": c.eval, "gold": c.gold, "keep_best": c.checkpoint.keep_best, "model": model_section},
+    ppo_spec = planner.spec("ppo", r, {"ppo": c.ppo.model_dump(exclude={"log_every"}), "eval": c.eval, "gold": c.gold, "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode], "model": model_section},
                             {k: _input_id(v) for k, v in (("policy", policy), ("reference", reference), ("sft", sft), ("rm", rm))}, ("prompts", "eval_prompts"))
     ppo = run_stage(ppo_task, c, ppo_spec, inputs, rm)
     eval_spec = planner.spec("eval", r, {"eval": c.eval, "gold": c.gold, "sampling": _sampling(c), "model": model_section},

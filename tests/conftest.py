@@ -21,6 +21,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def checkpoint_cache(tmp_path_factory):
+    """Downloaded (remote) checkpoints go to a per-session folder, not ~/.cache."""
+    os.environ["RLFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("checkpoint-cache"))
+    yield os.environ["RLFLOW_CACHE_DIR"]
+
+
 @pytest.fixture(scope="session")
 def s3_bucket():
     """Yield (bucket_url, storage_options) for a fresh bucket on a local moto S3 server."""

@@ -1,6 +1,7 @@
 """PPO on the small demo task: log-prob recomputation matches sampling, PPO raises the reward,
 the gold function is never called by training, and the KL stop ends a round early."""
 
+import dataclasses
 import math
 
 import pytest
@@ -102,3 +103,19 @@ def test_stop_kl_ends_the_round_early(trained, small_assets, tmp_path):
     outcome = run_ppo_stage(make_ctx(tmp_path, "ppo"), inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, boom_free_gold)
     # Step 1 samples from the reference itself (KL 0); after one update the KL passes 1e-6.
     assert outcome.metrics["ppo/stopped_by_kl"] == 1.0 and outcome.metrics["ppo/steps"] == 2
+
+
+def test_keep_best_protects_the_best_evaluated_step_from_pruning(trained, small_assets, tmp_path):
+    sft_dir, rm_dir, norm = trained
+    cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={"steps": 4, "stop_kl": None, "actor_lr": 1e-3},
+                                         eval={"every_steps": 1, "num_prompts": 16},
+                                         checkpoint={"keep_best": "eval/kl", "keep_best_mode": "min"}), "t")
+    sink = RecordingSink()
+    ctx = dataclasses.replace(make_ctx(tmp_path, "ppo", sink=sink, every=100), keep_last=1)
+    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
+    run_ppo_stage(ctx, inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, boom_free_gold)
+    kls = dict(sink.series("eval/kl"))
+    best = min(kls, key=kls.get)
+    assert sorted(kls) == [1, 2, 3, 4] and best < 4  # KL grows as PPO moves away from the reference
+    assert ctx.store.committed_steps() == sorted({best, 4})
+    assert ctx.store.manifest(4)["meta"]["ppo_state"]["best_step"] == best

@@ -62,8 +62,11 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     secret = "S3CR3T-VALUE-42"  # storage options are secret: never in logs, MLflow or Prefect
     tree = small_config_tree(small_assets, root, run={"name": "e2e", "rounds": 2, "storage_options": {"auto_mkdir": True, "secret_marker": secret}})
     config = write_config(tmp_path / "c.yaml", tree)
+    first = finish(cli(config, "run.rounds=1"))
+    assert "[round 0 ppo] step 3/3" in first and secret not in first
+    # Adding a round continues the run: round 0 comes from the cache, round 1 trains.
     out = finish(cli(config))
-    assert "[round 1 ppo] step 3/3" in out and "gold_score_before" in out
+    assert "[round 0 sft] step" not in out and "[round 1 ppo] step 3/3" in out and "gold_score_before" in out
     assert secret not in out
 
     summary = json.loads((root / "e2e" / "summary.json").read_text())
@@ -92,11 +95,11 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     assert secret not in (root / "mlartifacts").joinpath(*_artifact_path(parents[0], "config.yaml")).read_text()
 
     flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
-    assert [fr.state.type.value for fr in flow_runs] == ["COMPLETED"]
-    assert secret not in json.dumps(flow_runs[0].parameters, default=str)
-    assert [t.name for t in tasks[0]] == ["round-0-sft", "round-0-rm", "round-0-ppo", "round-0-eval",
-                                          "round-1-label", "round-1-rm", "round-1-ppo", "round-1-eval"]
-    assert {t.state.name for t in tasks[0]} == {"Completed"}
+    assert [fr.state.type.value for fr in flow_runs] == ["COMPLETED", "COMPLETED"]
+    assert all(secret not in json.dumps(fr.parameters, default=str) for fr in flow_runs)
+    assert [(t.name, t.state.name) for t in tasks[0]] == [(f"round-0-{s}", "Completed") for s in ("sft", "rm", "ppo", "eval")]
+    assert [(t.name, t.state.name) for t in tasks[1]] == [(f"round-0-{s}", "Cached") for s in ("sft", "rm", "ppo", "eval")] + [
+        (f"round-1-{s}", "Completed") for s in ("label", "rm", "ppo", "eval")]
 
     # Same command again after the last stage's checkpoints were deleted by hand: every other
     # stage comes from Prefect's cache, the deleted one is not trusted to the cache and runs again.
@@ -104,7 +107,7 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     out = finish(cli(config))
     assert "[round 1 eval] step 1" in out and "[round 0 sft] step" not in out and "[round 1 ppo] step" not in out
     flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
-    states = [(t.name, t.state.name) for t in tasks[1]]
+    states = [(t.name, t.state.name) for t in tasks[2]]
     assert states[:7] == [(name, "Cached") for name, _ in states[:7]]
     assert states[-1] == ("round-1-eval", "Completed")
     assert json.loads((root / "e2e" / "round_1" / "eval" / "final.json").read_text())["step"] == 0
