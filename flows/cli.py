@@ -36,6 +36,7 @@ def fresh_run_name(config_path: str) -> str:
 
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs every stage needs: model path, data files (parsed in full)."""
+    from rlflow.engine.checkpoint import RunLock
     from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
     from rlflow.engine.models import resolve_model_path
     from rlflow.engine.scoring import load_function
@@ -47,6 +48,9 @@ def check_inputs(config: Any) -> None:
         loader(url, d.storage_options)
     load_function(config.gold.fn, "gold.fn")
     load_function(config.label.labeller.fn, "label.labeller.fn")
+    # Fails now (one line, exit 2) if another live process holds the run; the flow takes the
+    # lock for real.
+    RunLock(f"{config.run.root.rstrip('/')}/{config.run.name}", config.run.storage_options).acquire().release()
 
 
 def command_run(args: argparse.Namespace) -> int:

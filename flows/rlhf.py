@@ -155,23 +155,34 @@ def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
     secret_tree = json.loads(os.environ.get(SECRETS_ENV) or "{}")
     cfg = build_config(merge_trees(config, secret_tree), source)
     logger = get_run_logger()
-    tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)
-    parent = tracker.parent_run(cfg.run.name, config)
-    tracker.mark_crashed_children(parent)
+    # The lock comes first: a second process on this run must not touch its MLflow runs.
     with RunLock(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", cfg.run.storage_options):
         for stale in mark_stale_flow_runs_crashed(cfg.run.name):
             logger.warning("flow run %s of '%s' was left Running by a killed process: marked Crashed", stale, cfg.run.name)
-        planner = RoundPlanner(cfg, parent)
-        policy: str | StageResult = cfg.model.path
-        sft: str | StageResult = cfg.model.path
-        labels: list[StageResult] = []
-        rows = []
-        for r in range(cfg.run.rounds):
-            started = time.monotonic()
-            policy, sft, row, _ = run_round(cfg, planner, r, policy, sft, labels)
-            rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
-            url = write_summary(cfg, rows)
-            logger.info("round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url)
-    tracker.sink(parent).log_text("summary.json", json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2))
-    tracker.finish(parent, "FINISHED")
+        tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)
+        parent = tracker.parent_run(cfg.run.name, config)
+        tracker.mark_crashed_children(parent)
+        try:
+            rows, policy = run_rounds(cfg, parent, logger)
+        except BaseException as exc:
+            tracker.finish(parent, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+            raise
+        tracker.sink(parent).log_text("summary.json", json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2))
+        tracker.finish(parent, "FINISHED")
     return {"run": cfg.run.name, "rounds": rows, "final_policy": policy.checkpoint_uri}
+
+
+def run_rounds(cfg: Config, parent_run_id: str, logger: Any) -> tuple[list[dict[str, Any]], StageResult]:
+    """All rounds in order, each starting from the last one's policy; summary.json after each."""
+    planner = RoundPlanner(cfg, parent_run_id)
+    policy: str | StageResult = cfg.model.path
+    sft: str | StageResult = cfg.model.path
+    labels: list[StageResult] = []
+    rows: list[dict[str, Any]] = []
+    for r in range(cfg.run.rounds):
+        started = time.monotonic()
+        policy, sft, row, _ = run_round(cfg, planner, r, policy, sft, labels)
+        rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
+        url = write_summary(cfg, rows)
+        logger.info("round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url)
+    return rows, policy

@@ -29,6 +29,15 @@ def finish(proc, timeout=400):
     return out
 
 
+def wait_for(path, proc, timeout=300):
+    """Poll until `path` exists (an event the run produces, not a sleep); the run must be alive."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
 def write_config(path, tree):
     path.write_text(yaml.safe_dump(tree))
     return path
@@ -121,23 +130,25 @@ def _artifact_path(run, name):
 
 def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_assets, tmp_path):
     root = tmp_path / "runs"
-    tree = small_config_tree(small_assets, root, run={"name": "kill"}, ppo={"steps": 8}, checkpoint={"every_steps": 2, "keep_last": 5})
+    steps = 40  # long enough that the run is still in PPO when the second process has been refused
+    tree = small_config_tree(small_assets, root, run={"name": "kill"}, ppo={"steps": steps}, checkpoint={"every_steps": 2, "keep_last": 3})
     config = write_config(tmp_path / "c.yaml", tree)
     proc = cli(config)
-    marker = root / "kill" / "round_0" / "ppo" / "step_000002" / "manifest.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "no PPO checkpoint appeared"
-        time.sleep(0.05)
+    wait_for(root / "kill" / "round_0" / "sft" / "step_000002" / "manifest.json", proc)  # the flow holds the lock
+    # A second process on the same run.name while the first holds the run: refused by the lock.
+    second = cli(config)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 2 and out.strip().splitlines()[-1].startswith("rlflow: error: run ")
+    assert "already being run by pid" in out and "Traceback" not in out, out[-2000:]
+    wait_for(root / "kill" / "round_0" / "ppo" / "step_000002" / "manifest.json", proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     store = CheckpointStore(str(root / "kill" / "round_0" / "ppo"))
     resumed_from = store.latest()
-    assert resumed_from is not None and resumed_from < 8 and store.final() is None
+    assert resumed_from is not None and resumed_from < steps and store.final() is None
 
     out = finish(cli(config))
-    assert f"[round 0 ppo] step {resumed_from + 1}/8" in out
+    assert f"[round 0 ppo] step {resumed_from + 1}/{steps}" in out
     assert "[round 0 sft] step" not in out and "[round 0 rm] step" not in out
 
     client, parents, children = mlflow_runs(root)
@@ -145,10 +156,10 @@ def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_asse
     ppo = children[("0", "ppo")]
     assert ppo.data.tags["rlflow.resumed_from"] == str(resumed_from)
     for key in ("actor/pg_loss", "critic/score/mean", "actor/kl"):
-        assert [m.step for m in client.get_metric_history(ppo.info.run_id, key)] == list(range(1, 9)), key
+        assert [m.step for m in client.get_metric_history(ppo.info.run_id, key)] == list(range(1, steps + 1)), key
 
     flow_runs, tasks = prefect_task_runs(prefect_server, "kill")
-    assert [fr.state.type.value for fr in flow_runs] == ["CRASHED", "COMPLETED"]
+    assert [fr.state.type.value for fr in flow_runs] == ["CRASHED", "COMPLETED"]  # the refused one never started
     states = {t.name: t.state.name for t in tasks[1]}
     assert states["round-0-sft"] == "Cached" and states["round-0-rm"] == "Cached"
     assert states["round-0-ppo"] == "Completed" and states["round-0-eval"] == "Completed"
