@@ -10,6 +10,7 @@ import torch
 
 from rlflow.engine.algos import distinct_n, kl_penalty, masked_mean
 from rlflow.engine.data import PromptRecord, encode_prompts, format_prompt
+from rlflow.engine.errors import DataError
 from rlflow.engine.rollout import RolloutBatch, SamplingParams, batched_logprobs, batched_scores, generate_rollouts
 from rlflow.engine.scoring import score_answers
 
@@ -31,9 +32,13 @@ class PromptSet:
     token_ids: tuple[tuple[int, ...], ...]
 
 
-def encode_prompt_set(tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str) -> tuple[PromptSet, int, int]:
-    """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped)."""
+def encode_prompt_set(tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str, source: str) -> tuple[PromptSet, int, int]:
+    """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped).
+
+    Raises DataError naming `source` (the data file) when no prompt is left."""
     encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
+    if not encoded.token_ids:
+        raise DataError(f"{source}: every prompt is longer than data.max_prompt_tokens={max_tokens} and was dropped; raise the limit or set data.prompt_overflow=truncate")
     kept = tuple(records[i] for i in encoded.kept_indices)
     return PromptSet(kept, tuple(tuple(t) for t in encoded.token_ids)), encoded.n_truncated, encoded.n_dropped
 

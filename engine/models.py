@@ -6,6 +6,7 @@ A tiny demo model and a 70B model go through exactly the same code: HF directori
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -67,6 +68,11 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        # Llama/Qwen2/Mistral attention applies a plain float rate in train mode.
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if isinstance(getattr(model.config, "attention_dropout", None), float):
+        model.config.attention_dropout = 0.0
     return model
 
 
@@ -83,20 +89,20 @@ def load_scalar_model(path: str, dtype: str = "float32", trust_remote_code: bool
     """A one-output `AutoModelForSequenceClassification` (reward model or critic).
 
     Loading a causal-LM directory gives a freshly initialised head; it is zeroed so a new critic
-    or reward model starts at 0 instead of random noise.
+    or reward model starts at 0 instead of random noise. A trained head is kept as it is.
     """
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(
-        AutoModelForSequenceClassification, path, key,
+    model, info = _from_pretrained(
+        AutoModelForSequenceClassification, path, key, output_loading_info=True,
         num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
     )
     head = scalar_head(model)
-    if getattr(model.config, "rlflow_head_trained", False) is False:
+    head_names = {name for name, p in model.named_parameters() if any(p is q for q in head.parameters())}
+    if head_names & set(info["missing_keys"]):
         with torch.no_grad():
-            head.weight.zero_()
-            if getattr(head, "bias", None) is not None:
-                head.bias.zero_()
+            for param in head.parameters():
+                param.zero_()
     return disable_dropout(model)
 
 
@@ -163,8 +169,6 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
 def save_model_dir(model: nn.Module, tokenizer: Any, writer: Any, prefix: str = "model") -> None:
     """save_pretrained (safetensors) into a temp dir, then through the checkpoint writer."""
-    if hasattr(model.config, "num_labels") and model.config.num_labels == 1 and hasattr(model, "score"):
-        model.config.rlflow_head_trained = True
     with tempfile.TemporaryDirectory(prefix="rlflow-save-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
@@ -176,5 +180,24 @@ def model_dir(local_step_dir: str, prefix: str = "model") -> str:
     return str(Path(local_step_dir) / prefix)
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def model_fingerprint(path: str) -> str:
+    """Identity of a starting model: for a local directory, sha256 over its config and, per
+    weight file, name, size and the first and last MiB (cheap even at 140 GB, and it changes
+    when the weights do); for a hub id, the id itself (pin a revision by using a local copy)."""
+    if not os.path.isdir(path):
+        return path
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            continue
+        size = os.path.getsize(full)
+        digest.update(f"{name}:{size}".encode())
+        with open(full, "rb") as f:
+            if name.endswith(".json") or size <= 2 * 2**20:
+                digest.update(f.read())
+            else:
+                digest.update(f.read(2**20))
+                f.seek(-(2**20), os.SEEK_END)
+                digest.update(f.read(2**20))
+    return f"sha256:{digest.hexdigest()}"

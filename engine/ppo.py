@@ -66,7 +66,7 @@ def make_experience(models: PPOModels, cfg: PPOConfig, prompts: list[tuple[int, 
     kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl.estimator) * mask
     rewards = compute_token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = compute_gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages:
+    if cfg.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
         advantages = masked_whiten(advantages, mask)
     timings.update({"timing_s/gen": t1 - t0, "timing_s/ref": t2 - t1, "timing_s/values": t3 - t2, "timing_s/score": time.monotonic() - t3})
     return Experience(batch, old_logprobs, ref_logprobs, values, scores, rewards, advantages, returns)

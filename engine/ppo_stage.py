@@ -47,9 +47,9 @@ def load_ppo_models(inputs: PPOInputs, resume_dir: str | None, model_cfg: ModelC
 
 
 def load_prompt_sets(tokenizer: Any, data: DataConfig, eval_cfg: EvalConfig, sink) -> tuple[PromptSet, PromptSet]:
-    train, n_trunc, n_drop = encode_prompt_set(tokenizer, load_prompts(data.prompts, data.storage_options), data.max_prompt_tokens, data.prompt_overflow)
+    train, n_trunc, n_drop = encode_prompt_set(tokenizer, load_prompts(data.prompts, data.storage_options), data.max_prompt_tokens, data.prompt_overflow, data.prompts)
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
-    evals, e_trunc, e_drop = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow)
+    evals, e_trunc, e_drop = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts)
     sink.log_metrics({"data/prompts_truncated": n_trunc + e_trunc, "data/prompts_dropped": n_drop + e_drop}, 0)
     return train, evals
 
@@ -94,6 +94,10 @@ def run_ppo_stage(
                 {"kl_controller": controller.state_dict(), "ppo_state": dict(state)},
                 protect={state["best_step"]} if state["best_step"] else set(),
             )
+    if "eval/gold_score" not in metrics:  # resumed exactly at the last step: evaluate its policy
+        eval_metrics, samples = run_evaluation(models, eval_prompts, cfg, step_seed(ctx.seed, ctx.round_index, 7), eval_cfg.batch_size, eval_cfg.num_logged_samples)
+        metrics.update(eval_metrics)
+        ctx.sink.log_table("eval_samples.json", samples)
     keep = ("critic/score/mean", "actor/kl", "eval/gold_score", "eval/rm_score", "eval/kl", "response_length/mean")
     summary = {k: metrics[k] for k in keep if k in metrics} | {"ppo/steps": step, "ppo/stopped_by_kl": float(state["stopped_by_kl"])}
     return finish(ctx, step, summary, resume)

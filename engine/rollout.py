@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from rlflow.engine.batching import left_pad
 from rlflow.engine.models import sequence_scores, token_logprobs, token_values
@@ -55,11 +56,19 @@ def generate_rollouts(
     was_training = policy.training
     policy.eval()
     torch.manual_seed(seed)
-    out = policy.generate(
-        input_ids=ids, attention_mask=attention, do_sample=True, temperature=params.temperature,
-        top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens, use_cache=True,
+    # A complete GenerationConfig replaces the checkpoint's own (which may carry a repetition
+    # penalty, top_k, min length...): tokens must come from exactly softmax(logits / T), the
+    # distribution the PPO ratio and the KL penalty are computed against.
+    config = GenerationConfig(
+        do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+        max_new_tokens=params.max_new_tokens, use_cache=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )
+    checkpoint_config, policy.generation_config = policy.generation_config, GenerationConfig()
+    try:  # generate() fills every unset field from the model's config: give it a blank one
+        out = policy.generate(input_ids=ids, attention_mask=attention, generation_config=config)
+    finally:
+        policy.generation_config = checkpoint_config
     policy.train(was_training)
     response = out[:, ids.shape[1] :]
     mask = response_mask_from_ids(response, tokenizer.eos_token_id)

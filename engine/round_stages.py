@@ -35,7 +35,7 @@ def run_label_stage(
     policy = load_policy(policy_path, model_cfg.dtype, model_cfg.trust_remote_code).eval()
     records = load_prompts(data.prompts, data.storage_options)
     chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, ctx.seed, ctx.round_index, 6)
-    prompts, _, _ = encode_prompt_set(tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow)
+    prompts, _, _ = encode_prompt_set(tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow, data.prompts)
     answers = []
     for draw in (0, 1):
         texts: list[str] = []
@@ -90,7 +90,7 @@ def run_eval_stage(
         gold=gold,
     )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
-    prompts, _, _ = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow)
+    prompts, _, _ = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts)
     results: dict[str, Any] = {}
     for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):
         policy = load_policy(path, **kw).eval()

@@ -104,7 +104,9 @@ def save_checkpoint(
         save_training_state(writer, optimizers, schedulers)
         writer.meta.update(meta, identity=ctx.identity)
     fault_point(ctx.stage, "after_checkpoint", step)
-    ctx.store.prune(ctx.keep_last, protect=protect)
+    # The step just written always survives: steps left by an abandoned run with another
+    # identity must not push it out of keep_last.
+    ctx.store.prune(ctx.keep_last, protect=set(protect) | {step})
     return ctx.store.step_url(step)
 
 

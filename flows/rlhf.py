@@ -22,6 +22,7 @@ from prefect.states import Crashed
 from rlflow.engine.checkpoint import RunLock
 from rlflow.engine.config import Config, build_config, merge_trees
 from rlflow.engine.data import fingerprint_file
+from rlflow.engine.models import model_fingerprint
 from rlflow.engine.stage import compute_identity
 from rlflow.tasks.stages import (
     StageResult, StageSpec, eval_task, label_task, output_exists, ppo_task, rm_task, sft_task,
@@ -47,8 +48,9 @@ class RoundPlanner:
             "stage": stage, "seed": self.config.run.seed,
             "config": {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in sections.items()},
             "inputs": inputs, "data": {name: self.fingerprints[name] for name in data},
-            "data_options": {k: getattr(self.config.data, k) for k in ("max_prompt_tokens", "prompt_overflow")},
         }
+        if stage in ("label", "ppo", "eval"):  # the stages that encode prompts
+            tree["data_options"] = {k: getattr(self.config.data, k) for k in ("max_prompt_tokens", "prompt_overflow")}
         return StageSpec(stage=stage, round_index=round_index, identity=compute_identity(tree), identity_tree=tree, parent_run_id=self.parent_run_id)
 
 
@@ -62,7 +64,7 @@ def run_stage(task_fn: Any, config: Config, spec: StageSpec, *args: Any) -> Stag
 
 
 def _input_id(value: str | StageResult) -> str:
-    return value.manifest_sha256 if isinstance(value, StageResult) else value
+    return value.manifest_sha256 if isinstance(value, StageResult) else model_fingerprint(value)
 
 
 def _uri(value: str | StageResult) -> str:

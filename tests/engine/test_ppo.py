@@ -60,7 +60,7 @@ def _models(trained, gold):
 def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tmp_path):
     cfg = build_config(small_config_tree(small_assets, tmp_path), "t")
     models = _models(trained, boom)
-    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate")
+    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
     metrics = ppo_step(models, make_ppo_optimizers(models, cfg.ppo), make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1)
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_coef", "actor/grad_norm",
                 "critic/vf_loss", "critic/vf_explained_var", "critic/score/mean", "critic/advantages/mean",
@@ -83,7 +83,7 @@ def test_ppo_raises_reward_model_score(trained, small_assets, tmp_path):
     inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
     outcome = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink, every=4), inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, boom_free_gold)
     models = _models(trained, boom_free_gold)
-    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.eval_prompts), 32, "truncate")
+    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.eval_prompts), 32, "truncate", "prompts")
     sampling = SamplingParams(max_new_tokens=cfg.ppo.max_new_tokens)
     before, _ = evaluate_policy(models.actor, models.tokenizer, prompts, models.scoring, sampling, seed=1)
     after, _ = evaluate_policy(load_policy(f"{outcome.checkpoint_uri}/model"), models.tokenizer, prompts, models.scoring, sampling, seed=1)
