@@ -72,49 +72,57 @@ def make_experience(models: PPOModels, cfg: PPOConfig, prompts: list[tuple[int, 
     return Experience(batch, old_logprobs, ref_logprobs, values, scores, rewards, advantages, returns)
 
 
-def _minibatch_losses(models: PPOModels, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> dict[str, torch.Tensor]:
+def actor_loss(models: PPOModels, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy loss of the rows `index` [M], aggregated per `cfg.loss_agg`."""
     batch, mask = exp.batch.rows(index), exp.batch.response_mask[index]
     logprobs, entropy = token_logprobs(models.actor, batch.input_ids, batch.attention_mask, batch.prompt_width, cfg.temperature, with_entropy=True)
     pg, clipped, approx_kl = ppo_policy_loss(logprobs, exp.old_logprobs[index], exp.advantages[index], cfg.clip_ratio)
-    values = token_values(models.critic, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1 : -1]
-    vf, vf_clipped = value_loss(values, exp.values[index], exp.returns[index], cfg.value_clip)
-    return {
-        "actor": aggregate_loss(pg, mask, cfg.loss_agg),
-        "critic": aggregate_loss(vf, mask, cfg.loss_agg),
-        "actor/pg_clipfrac": masked_mean(clipped, mask),
-        "actor/ppo_kl": masked_mean(approx_kl, mask),
-        "actor/entropy": masked_mean(entropy.detach(), mask),
-        "critic/vf_clipfrac": masked_mean(vf_clipped, mask),
+    loss = aggregate_loss(pg, mask, cfg.loss_agg)
+    return loss, {
+        "actor/pg_loss": float(loss.detach()), "actor/pg_clipfrac": float(masked_mean(clipped, mask)),
+        "actor/ppo_kl": float(masked_mean(approx_kl, mask)), "actor/entropy": float(masked_mean(entropy.detach(), mask)),
     }
 
 
+def critic_loss(models: PPOModels, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of the rows `index` [M]; values are read at the token before each response token."""
+    batch, mask = exp.batch.rows(index), exp.batch.response_mask[index]
+    values = token_values(models.critic, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1 : -1]
+    vf, vf_clipped = value_loss(values, exp.values[index], exp.returns[index], cfg.value_clip)
+    loss = aggregate_loss(vf, mask, cfg.loss_agg)
+    return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(masked_mean(vf_clipped, mask))}
+
+
+def _apply_gradients(loss: torch.Tensor, network: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(network.parameters(), max_norm)
+    optimizer.step()
+    return float(grad_norm)
+
+
 def ppo_update(models: PPOModels, optimizers: dict[str, torch.optim.Optimizer], exp: Experience, cfg: PPOConfig, update_actor: bool, seed: int, timings: dict[str, float]) -> dict[str, float]:
-    """`cfg.epochs` passes of clipped actor and critic updates over shuffled mini-batches."""
+    """`cfg.epochs` passes of clipped actor and critic updates over shuffled mini-batches.
+
+    During critic warm-up (`update_actor` False) the actor is not even run. Returns the
+    metrics averaged over mini-batches; adds timing_s/update_actor and timing_s/update_critic.
+    """
     sums: dict[str, float] = {}
-    count = 0
-    rows = exp.batch.input_ids.shape[0]
+    counts: dict[str, int] = {}
     generator = torch.Generator().manual_seed(seed)
     models.actor.train(), models.critic.train()
+    parts = [("actor", models.actor, actor_loss)] if update_actor else []
+    parts.append(("critic", models.critic, critic_loss))
     for _ in range(cfg.epochs):
-        for index in torch.randperm(rows, generator=generator).split(cfg.mini_batch):
-            t0 = time.monotonic()
-            losses = _minibatch_losses(models, exp, index, cfg)
-            for name, network in (("actor", models.actor), ("critic", models.critic)):
-                if name == "actor" and not update_actor:
-                    continue
-                optimizers[name].zero_grad(set_to_none=True)
-                losses[name].backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(network.parameters(), cfg.max_grad_norm)
-                optimizers[name].step()
-                sums[f"{name}/grad_norm"] = sums.get(f"{name}/grad_norm", 0.0) + float(grad_norm)
-            elapsed = time.monotonic() - t0
-            timings["timing_s/update_actor"] = timings.get("timing_s/update_actor", 0.0) + elapsed / 2
-            timings["timing_s/update_critic"] = timings.get("timing_s/update_critic", 0.0) + elapsed / 2
-            losses["actor/pg_loss"], losses["critic/vf_loss"] = losses.pop("actor"), losses.pop("critic")
-            for key, value in losses.items():
-                sums[key] = sums.get(key, 0.0) + float(value.detach())
-            count += 1
-    return {k: v / count for k, v in sums.items()}
+        for index in torch.randperm(exp.batch.input_ids.shape[0], generator=generator).split(cfg.mini_batch):
+            for name, network, loss_fn in parts:
+                started = time.monotonic()
+                loss, metrics = loss_fn(models, exp, index, cfg)
+                metrics[f"{name}/grad_norm"] = _apply_gradients(loss, network, optimizers[name], cfg.max_grad_norm)
+                timings[f"timing_s/update_{name}"] = timings.get(f"timing_s/update_{name}", 0.0) + time.monotonic() - started
+                for key, value in metrics.items():
+                    sums[key], counts[key] = sums.get(key, 0.0) + value, counts.get(key, 0) + 1
+    return {k: v / counts[k] for k, v in sums.items()}
 
 
 def experience_metrics(exp: Experience, kl_coef: float) -> dict[str, float]:

@@ -71,8 +71,8 @@ def _uri(value: str | StageResult) -> str:
     return value.checkpoint_uri if isinstance(value, StageResult) else value
 
 
-def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | StageResult, sft: str | StageResult, labels: list[StageResult]) -> tuple[StageResult, StageResult | str, dict[str, Any], StageResult]:
-    """One round; returns (final policy, SFT policy, summary row, eval result)."""
+def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | StageResult, sft: str | StageResult, labels: list[StageResult]) -> tuple[StageResult, StageResult | str, dict[str, Any]]:
+    """One round; returns (final policy, SFT policy, summary row). `labels` grows by this round's."""
     c = config
     model_section = c.model.model_dump(exclude={"path"})
     if r in c.sft.rounds:
@@ -94,7 +94,7 @@ def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | Stage
     eval_spec = planner.spec("eval", r, {"eval": c.eval, "gold": c.gold, "sampling": _sampling(c), "model": model_section},
                              {k: _input_id(v) for k, v in (("policy", policy), ("final", ppo), ("reference", reference), ("sft", sft), ("rm", rm))}, ("eval_prompts",))
     evaluation = run_stage(eval_task, c, eval_spec, inputs | {"final": ppo.checkpoint_uri}, rm)
-    return ppo, sft, _summary_row(r, rm, evaluation), evaluation
+    return ppo, sft, _summary_row(r, rm, evaluation)
 
 
 def _sampling(c: Config) -> dict[str, Any]:
@@ -183,7 +183,7 @@ def run_rounds(cfg: Config, parent_run_id: str, logger: Any) -> tuple[list[dict[
     rows: list[dict[str, Any]] = []
     for r in range(cfg.run.rounds):
         started = time.monotonic()
-        policy, sft, row, _ = run_round(cfg, planner, r, policy, sft, labels)
+        policy, sft, row = run_round(cfg, planner, r, policy, sft, labels)
         rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
         url = write_summary(cfg, rows)
         logger.info("round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url)

@@ -119,3 +119,19 @@ def test_keep_best_protects_the_best_evaluated_step_from_pruning(trained, small_
     assert sorted(kls) == [1, 2, 3, 4] and best < 4  # KL grows as PPO moves away from the reference
     assert ctx.store.committed_steps() == sorted({best, 4})
     assert ctx.store.manifest(4)["meta"]["ppo_state"]["best_step"] == best
+
+
+def test_critic_warmup_updates_only_the_critic(trained, small_assets, tmp_path):
+    cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={"critic_warmup_steps": 1}), "t")
+    models = _models(trained, boom)
+    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
+    actor_before = {k: v.clone() for k, v in models.actor.state_dict().items()}
+    critic_before = {k: v.clone() for k, v in models.critic.state_dict().items()}
+    optimizers, controller = make_ppo_optimizers(models, cfg.ppo), make_controller(cfg.ppo)
+    warm = ppo_step(models, optimizers, controller, cfg.ppo, prompts, 0, 0, step=1)
+    assert "actor/pg_loss" not in warm and "critic/vf_loss" in warm and warm["timing_s/update_critic"] > 0
+    assert all(torch.equal(v, models.actor.state_dict()[k]) for k, v in actor_before.items())
+    assert not all(torch.equal(v, models.critic.state_dict()[k]) for k, v in critic_before.items())
+    after = ppo_step(models, optimizers, controller, cfg.ppo, prompts, 0, 0, step=2)
+    assert "actor/pg_loss" in after
+    assert not all(torch.equal(v, models.actor.state_dict()[k]) for k, v in actor_before.items())
