@@ -78,8 +78,8 @@ def _put_local_atomic(path: str, data: bytes) -> None:
 class _HashingFile:
     """Write-only file wrapper that hashes and counts bytes as they stream to storage."""
 
-    def __init__(self, raw: BinaryIO, name: str, on_close: Callable[[str, int, str], None]):
-        self._raw, self.name, self._on_close = raw, name, on_close
+    def __init__(self, raw: BinaryIO, name: str, on_close: Callable[[str, int, str], None], fsync: bool = False):
+        self._raw, self.name, self._on_close, self._fsync = raw, name, on_close, fsync
         self._sha, self._size, self.closed = hashlib.sha256(), 0, False
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
@@ -97,6 +97,9 @@ class _HashingFile:
         if self.closed:
             return
         self.closed = True
+        if self._fsync:  # on disk before the manifest that vouches for it (power loss)
+            self._raw.flush()
+            os.fsync(self._raw.fileno())
         self._raw.close()
         self._on_close(self.name, self._size, self._sha.hexdigest())
 
@@ -152,7 +155,7 @@ class StepWriter:
         path = self._store._step_path(self.step, _check_name(name))
         if self._store._local:  # local filesystems need parent directories; object stores do not
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._open.append(_HashingFile(self._store._fs.open(path, "wb"), name, self._record))
+        self._open.append(_HashingFile(self._store._fs.open(path, "wb"), name, self._record, fsync=self._store._local))
         return self._open[-1]
 
     def write_bytes(self, name: str, data: bytes) -> None:

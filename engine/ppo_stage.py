@@ -91,7 +91,7 @@ def run_ppo_stage(
         if step % ctx.every_steps == 0 or last or state["best_step"] == step:
             save_checkpoint(
                 ctx, step, {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)}, optimizers, {},
-                {"kl_controller": controller.state_dict(), "ppo_state": dict(state)},
+                {"kl_controller": controller.state_dict(), "ppo_state": dict(state), "data_position": {"prompts_seen": step * cfg.rollout_batch}},
                 protect={state["best_step"]} if state["best_step"] else set(),
             )
     if "eval/gold_score" not in metrics:  # resumed exactly at the last step: evaluate its policy

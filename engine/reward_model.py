@@ -109,7 +109,10 @@ def run_reward_model_stage(
             if step == total_steps:
                 reference = [encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens) for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]]
                 metrics["rm/score_mean"], metrics["rm/score_std"] = score_statistics(model, reference, pad)
-            save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"rm": optimizer}, {"rm": schedule}, {"score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)]})
+            save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"rm": optimizer}, {"rm": schedule}, {
+                "score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)],
+                "data_position": {"pairs_seen": step * cfg.batch_size},
+            })
     if "rm/accuracy" not in metrics:  # resumed exactly at the last step
         metrics["rm/accuracy"] = pairwise_accuracy(model, eval_rows, pad)
     metrics["rm/score_mean"], metrics["rm/score_std"] = ctx.store.manifest(step)["meta"]["score_norm"]

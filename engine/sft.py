@@ -82,7 +82,8 @@ def run_sft_stage(
             ctx.sink.log_metrics(metrics, step)
         done_now = step >= cfg.max_steps or state["bad_evals"] >= cfg.patience
         if step % ctx.every_steps == 0 or done_now:
-            save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"policy": optimizer}, {"policy": schedule}, {"sft_state": state})
+            save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"policy": optimizer}, {"policy": schedule},
+                            {"sft_state": state, "data_position": {"examples_seen": step * cfg.batch_size * cfg.grad_accum}})
     final_metrics = {"sft/eval_loss": state["best_eval_loss"], "sft/steps": step}
     if "sft/loss" in metrics:  # absent when resumed exactly at the last step
         final_metrics["sft/loss"] = metrics["sft/loss"]
