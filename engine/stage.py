@@ -69,7 +69,8 @@ def completed_outcome(ctx: StageContext) -> StageOutcome | None:
     if final is None:
         return None
     if final.get("identity") != ctx.identity:
-        changed = diff_keys(final.get("identity_tree", {}), ctx.identity_tree) or ["(inputs)"]
+        # "config.ppo.clip_ratio" -> "ppo.clip_ratio"; "inputs.policy" and "data.sft" stay as they are.
+        changed = [k.removeprefix("config.") for k in diff_keys(final.get("identity_tree", {}), ctx.identity_tree)] or ["(inputs)"]
         raise CheckpointError(
             f"stage round_{ctx.round_index}/{ctx.stage} at {ctx.store.url} already finished with a different "
             f"configuration or inputs (changed: {', '.join(changed[:8])}); use a new run.name to run it again"

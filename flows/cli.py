@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets as pysecrets
 import sys
@@ -65,11 +66,28 @@ def command_run(args: argparse.Namespace) -> int:
 
     from rlflow.flows.rlhf import SECRETS_ENV, format_table, rlhf_flow
 
+    hide_tracebacks_of_user_errors()
     os.environ[SECRETS_ENV] = json.dumps(secret)
     result = rlhf_flow(config=public, source=args.config)
     print(f"\nrun '{result['run']}' finished; final policy: {result['final_policy']}")
     print(format_table(result["rounds"]))
     return 0
+
+
+class _UserErrorFilter(logging.Filter):
+    """Prefect logs a failed task or flow with its traceback; for an error in the user's input
+    (an RlflowError) the one-line message says everything, so the traceback is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], RlflowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def hide_tracebacks_of_user_errors() -> None:
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_UserErrorFilter())
 
 
 def command_demo_assets(args: argparse.Namespace) -> int:

@@ -121,6 +121,14 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     assert states[-1] == ("round-1-eval", "Completed")
     assert json.loads((root / "e2e" / "round_1" / "eval" / "final.json").read_text())["step"] == 0
 
+    # Changing the config of a finished stage under the same run.name: refused, naming the key.
+    proc = cli(config, "ppo.clip_ratio=0.3")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("rlflow: error: stage round_0/ppo") and "ppo.clip_ratio" in last and "new run.name" in last
+    assert "Traceback" not in out
+
 
 def _artifact_path(run, name):
     # artifact_uri: file://<root>/mlartifacts/<experiment id>/<run id>/artifacts
