@@ -43,8 +43,9 @@ def write_config(path, tree):
     return path
 
 
-def mlflow_runs(root):
-    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
+def mlflow_runs(root, uri=None):
+    """(client, parent runs, {(round, stage): child run}) of the run tree in a sqlite store."""
+    client = MlflowClient(uri or f"sqlite:///{root}/mlflow.db")
     experiment = client.get_experiment_by_name("rlflow")
     runs = client.search_runs([experiment.experiment_id], max_results=500)
     parents = [r for r in runs if r.data.tags.get("rlflow.kind") == "parent"]
@@ -171,3 +172,25 @@ def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_asse
     states = {t.name: t.state.name for t in tasks[1]}
     assert states["round-0-sft"] == "Cached" and states["round-0-rm"] == "Cached"
     assert states["round-0-ppo"] == "Completed" and states["round-0-eval"] == "Completed"
+
+
+def test_one_round_with_checkpoints_on_s3(prefect_server, s3_bucket, small_assets, tmp_path):
+    import s3fs
+
+    url, options = s3_bucket
+    tree = small_config_tree(small_assets, f"{url}/runs", run={"name": "s3run", "storage_options": options},
+                             tracking={"uri": f"sqlite:///{tmp_path}/mlflow.db"}, ppo={"steps": 2})
+    out = finish(cli(write_config(tmp_path / "c.yaml", tree)))
+    assert f"final policy: {url}/runs/s3run/round_0/ppo/step_000002" in out
+    fs = s3fs.S3FileSystem(**options)
+    fs.invalidate_cache()
+    for stage in ("sft", "rm", "ppo", "eval"):
+        assert fs.exists(f"{url}/runs/s3run/round_0/{stage}/final.json"), stage
+    summary = json.loads(fs.cat(f"{url}/runs/s3run/summary.json"))
+    assert summary["rounds"][0]["round"] == 0
+    assert not fs.exists(f"{url}/runs/s3run/.lock")
+    # The endpoint is in storage_options: redacted in MLflow like any secret.
+    _, parents, children = mlflow_runs(None, uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert set(children) == {("0", "sft"), ("0", "rm"), ("0", "ppo"), ("0", "eval")}
+    assert parents[0].data.params["run.storage_options"] == "***"
+
