@@ -99,9 +99,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Normalise ``x`` to zero mean and unit (unbiased) variance over masked positions.
 
     x, mask: same shape (e.g. [B, T]); returns the same shape, dimensionless.
@@ -342,16 +340,12 @@ def logprobs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch
     logits are upcast first because low-precision log_softmax visibly biases the ratio r.
     """
     if logits.shape[:-1] != token_ids.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree"
-        )
+        raise ValueError(f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree")
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     return logprobs.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
-def explained_variance(
-    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """1 - Var(returns - values) / Var(returns) over masked positions (0-dim, dimensionless).
 
     values, returns, mask: [B, T]. 1 is a perfect critic, 0 no better than a constant, < 0

@@ -27,9 +27,7 @@ def encode_pair(tokenizer: Any, prompt: Any, response: str, max_tokens: int) -> 
     return PromptResponseIds(prompt_ids, response_ids)
 
 
-def right_pad(
-    rows: Sequence[PromptResponseIds], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def right_pad(rows: Sequence[PromptResponseIds], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenate prompt+response per row, right-padded.
 
     Returns input_ids [B, T], attention_mask [B, T] and response_mask [B, T] (1 on response tokens:

@@ -5,6 +5,7 @@ as committed once its ``manifest.json`` (size and sha256 of every file) exists a
 written LAST because object stores have no atomic rename: a crash at any earlier point leaves a
 directory that every reader ignores. ``RunLock`` guards the tree against two concurrent runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,10 @@ def _check_name(name: str) -> str:
     """Reject names that could escape the step directory or shadow the manifest."""
     parts = name.split("/")
     if name == MANIFEST or "\\" in name or any(p in ("", ".", "..") for p in parts):
-        raise CheckpointError(f"invalid checkpoint file name {name!r}: use a relative path like "
-                              f"'model/model.safetensors' ('{MANIFEST}' is reserved)")
+        raise CheckpointError(
+            f"invalid checkpoint file name {name!r}: use a relative path like "
+            f"'model/model.safetensors' ('{MANIFEST}' is reserved)"
+        )
     return name
 
 
@@ -140,8 +143,10 @@ class StepWriter:
 
     def _require_open(self) -> None:
         if self._state != "open":
-            raise CheckpointError(f"writer for {self._store.step_url(self.step)} is {self._state}; "
-                                  "write inside 'with store.writer(step) as w:' before it commits")
+            raise CheckpointError(
+                f"writer for {self._store.step_url(self.step)} is {self._state}; "
+                "write inside 'with store.writer(step) as w:' before it commits"
+            )
 
     def _record(self, name: str, size: int, sha256: str) -> None:
         self._files[name] = {"size": size, "sha256": sha256}
@@ -186,8 +191,7 @@ class StepWriter:
         self.meta.update(meta or {})
         for f in list(self._open):
             f.close()  # an unclosed handle may still hold buffered, unuploaded bytes
-        manifest = {"step": self.step, "files": dict(sorted(self._files.items())),
-                    "meta": self.meta, "created": _now()}
+        manifest = {"step": self.step, "files": dict(sorted(self._files.items())), "meta": self.meta, "created": _now()}
         data = _json_bytes(manifest)  # serialise first: unserialisable meta fails before writing
         self._store._put(self._store._step_path(self.step, MANIFEST), data)
         self._state = "committed"
@@ -269,7 +273,8 @@ class CheckpointStore:
         if loaded is None:
             raise CheckpointError(
                 f"checkpoint {self.step_url(step)} is uncommitted or partial (no valid "
-                f"{MANIFEST}); committed steps in {self._url}: {self.committed_steps() or 'none'}")
+                f"{MANIFEST}); committed steps in {self._url}: {self.committed_steps() or 'none'}"
+            )
         return loaded
 
     def _require_file(self, step: int, name: str) -> dict[str, Any]:
@@ -324,8 +329,10 @@ class CheckpointStore:
         except FileNotFoundError:
             raise CheckpointError(f"{where} is listed in the manifest but missing") from None
         if (size, sha) != (entry["size"], entry["sha256"]):
-            raise CheckpointError(f"{where} is corrupted: size {size} sha256 {sha[:12]}..., "
-                                  f"manifest says {entry['size']} {entry['sha256'][:12]}...")
+            raise CheckpointError(
+                f"{where} is corrupted: size {size} sha256 {sha[:12]}..., "
+                f"manifest says {entry['size']} {entry['sha256'][:12]}..."
+            )
 
     def verify(self, step: int) -> None:
         """Re-hash every file against the manifest; raise CheckpointError naming a bad one."""
@@ -375,7 +382,7 @@ class CheckpointStore:
         if not committed:
             return []
         final = self.final()
-        keep = set(committed[max(0, len(committed) - keep_last):]) | set(protect)
+        keep = set(committed[max(0, len(committed) - keep_last) :]) | set(protect)
         keep |= {final["step"]} if final else set()
         removed = [n for n in committed if n not in keep]
         for n in removed:
@@ -403,11 +410,15 @@ class CheckpointStore:
         except (ValueError, TypeError, KeyError):  # torn, or "step" is no integer
             record, loaded = {}, None
         if loaded is None:
-            raise CheckpointError(f"{where} points to step {record.get('step')!r}, which is not "
-                                  f"committed; delete {where} and rerun the stage")
+            raise CheckpointError(
+                f"{where} points to step {record.get('step')!r}, which is not "
+                f"committed; delete {where} and rerun the stage"
+            )
         if record.get("manifest_sha256") != hashlib.sha256(loaded[0]).hexdigest():
-            raise CheckpointError(f"{where} points to step {record['step']}, whose manifest "
-                                  f"changed since; delete {where} and rerun the stage")
+            raise CheckpointError(
+                f"{where} points to step {record['step']}, whose manifest "
+                f"changed since; delete {where} and rerun the stage"
+            )
         return record
 
 
@@ -450,8 +461,9 @@ class RunLock:
             return None
         except (ValueError, TypeError, KeyError):
             pass
-        raise CheckpointError(f"lock file {self.lock_url} is unreadable; delete it if no other "
-                              f"process is running '{self.url}'")
+        raise CheckpointError(
+            f"lock file {self.lock_url} is unreadable; delete it if no other process is running '{self.url}'"
+        )
 
     def _create(self) -> bool:
         """Write our lock unless one appeared meanwhile; return whether we now hold it."""
@@ -487,7 +499,8 @@ class RunLock:
                 raise CheckpointError(
                     f"run '{self.url}' is already being run by pid {holder['pid']} on host "
                     f"{holder['host']} (started {holder.get('started', '?')}); wait for it or "
-                    f"delete {self.lock_url} if that process is gone")
+                    f"delete {self.lock_url} if that process is gone"
+                )
             with contextlib.suppress(FileNotFoundError):  # stale: its process is dead
                 self._fs.rm(self._path)
         raise CheckpointError(f"could not acquire {self.lock_url}: others keep replacing it")

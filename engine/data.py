@@ -136,9 +136,7 @@ def _iter_jsonl(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
             hint = "write one complete JSON object per line"
             if lineno == 1 and text.lstrip().startswith("["):
                 hint = "this looks like a JSON array; JSONL needs one {...} object per line"
-            raise DataError(
-                f"{url}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); {hint}"
-            ) from None
+            raise DataError(f"{url}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); {hint}") from None
         if not isinstance(row, dict):
             raise DataError(
                 f"{url}:{lineno}: expected a JSON object, got {type(row).__name__}; "
@@ -163,9 +161,7 @@ def _iter_csv(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
         except UnicodeDecodeError:
             raise DataError(f"{url}:{start}: {_NOT_UTF8}") from None
         except csv.Error as e:
-            raise DataError(
-                f"{url}:{start}: malformed CSV ({_one_line(e)}); check quoting"
-            ) from None
+            raise DataError(f"{url}:{start}: malformed CSV ({_one_line(e)}); check quoting") from None
         end = reader.line_num
         if not values:
             continue
@@ -185,9 +181,7 @@ def _check_header(url: str, lineno: int, header: list[str]) -> list[str]:
     seen: set[str] = set()
     for name in header:
         if name in seen:
-            raise DataError(
-                f"{url}:{lineno}: duplicate column {name!r} in the CSV header; rename one of them"
-            )
+            raise DataError(f"{url}:{lineno}: duplicate column {name!r} in the CSV header; rename one of them")
         seen.add(name)
     return header
 
@@ -200,9 +194,7 @@ def _read_parquet(url: str, f: BinaryIO) -> list[tuple[int, dict]]:
     try:
         table = pq.read_table(f)
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
-        raise DataError(
-            f"{url} is not a valid Parquet file ({_one_line(e)}); re-export it or use JSONL/CSV"
-        ) from None
+        raise DataError(f"{url} is not a valid Parquet file ({_one_line(e)}); re-export it or use JSONL/CSV") from None
     return list(enumerate(table.to_pylist(), start=1))
 
 
@@ -241,10 +233,7 @@ def _require_str(url: str, lineno: int, row: dict, name: str, hint: str) -> str:
         raise DataError(f"{url}:{lineno}: missing field {name!r} ({hint})")
     value = row[name]
     if not isinstance(value, str) or not value.strip():
-        raise DataError(
-            f"{url}:{lineno}: field {name!r} must be a non-empty string, "
-            f"got {_describe(value)} ({hint})"
-        )
+        raise DataError(f"{url}:{lineno}: field {name!r} must be a non-empty string, got {_describe(value)} ({hint})")
     return value
 
 
@@ -254,27 +243,21 @@ def _parse_messages(url: str, lineno: int, messages: Any) -> SFTExample:
     if not isinstance(messages, list) or len(messages) < 2:
         got = f"{len(messages)} message(s)" if isinstance(messages, list) else _describe(messages)
         raise DataError(
-            f"{where} must be a list of at least 2 {{role, content}} objects ending with "
-            f"the assistant turn, got {got}"
+            f"{where} must be a list of at least 2 {{role, content}} objects ending with the assistant turn, got {got}"
         )
     turns = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            raise DataError(
-                f"{where}[{i}] must be a {{role, content}} object, got {_describe(msg)}"
-            )
+            raise DataError(f"{where}[{i}] must be a {{role, content}} object, got {_describe(msg)}")
         for key in ("role", "content"):
             if not isinstance(msg.get(key), str):
-                raise DataError(
-                    f"{where}[{i}] needs a string {key!r}, got {_describe(msg.get(key))}"
-                )
+                raise DataError(f"{where}[{i}] needs a string {key!r}, got {_describe(msg.get(key))}")
         # Only role/content: Parquet structs add null keys that would confuse chat templates.
         turns.append({"role": msg["role"], "content": msg["content"]})
     last = turns[-1]
     if last["role"] != "assistant":
         raise DataError(
-            f"{where}: the last message must have role 'assistant' (it is the response "
-            f"to learn), got {last['role']!r}"
+            f"{where}: the last message must have role 'assistant' (it is the response to learn), got {last['role']!r}"
         )
     if not last["content"].strip():
         raise DataError(f"{where}: the final assistant message has empty content")
@@ -299,8 +282,7 @@ def load_preference_pairs(url: str, storage_options: dict | None = None) -> list
     pairs = []
     for lineno, row in read_rows(url, storage_options):
         prompt, chosen, rejected = (
-            _require_str(url, lineno, row, key, _PREF_HINT)
-            for key in ("prompt", "chosen", "rejected")
+            _require_str(url, lineno, row, key, _PREF_HINT) for key in ("prompt", "chosen", "rejected")
         )
         pairs.append(PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected))
     return pairs
@@ -334,9 +316,7 @@ def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
-def encode_prompts(
-    tokenizer: Any, prompts: list[str], max_prompt_tokens: int, overflow: str
-) -> EncodedPrompts:
+def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, overflow: str) -> EncodedPrompts:
     """Tokenize already-formatted prompts, applying the overflow policy to long ones.
 
     "truncate" keeps the last `max_prompt_tokens` tokens, because the end of a prompt
@@ -362,9 +342,7 @@ def encode_prompts(
             n_truncated += 1
         token_ids.append(ids)
         kept.append(index)
-    return EncodedPrompts(
-        token_ids=token_ids, kept_indices=kept, n_truncated=n_truncated, n_dropped=n_dropped
-    )
+    return EncodedPrompts(token_ids=token_ids, kept_indices=kept, n_truncated=n_truncated, n_dropped=n_dropped)
 
 
 # --------------------------------------------------------------------------- identity

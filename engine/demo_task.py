@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 TOPICS = (
-    "river forest city garden ocean mountain market library winter harbor desert village storm "
-    "kitchen train festival"
+    "river forest city garden ocean mountain market library winter harbor desert village storm kitchen train festival"
 ).split()
 LEXICON = frozenset(
     (

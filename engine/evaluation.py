@@ -32,26 +32,38 @@ class PromptSet:
     token_ids: tuple[tuple[int, ...], ...]
 
 
-def encode_prompt_set(tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str, source: str) -> tuple[PromptSet, int, int]:
+def encode_prompt_set(
+    tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str, source: str
+) -> tuple[PromptSet, int, int]:
     """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped).
 
     Raises DataError naming `source` (the data file) when no prompt is left."""
     encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
     if not encoded.token_ids:
-        raise DataError(f"{source}: every prompt is longer than data.max_prompt_tokens={max_tokens} and was dropped; raise the limit or set data.prompt_overflow=truncate")
+        raise DataError(
+            f"{source}: every prompt is longer than data.max_prompt_tokens={max_tokens} and was dropped; raise the limit or set data.prompt_overflow=truncate"
+        )
     kept = tuple(records[i] for i in encoded.kept_indices)
     return PromptSet(kept, tuple(tuple(t) for t in encoded.token_ids)), encoded.n_truncated, encoded.n_dropped
 
 
-def normalised_scores(reward_model: torch.nn.Module, batch: RolloutBatch, score_norm: tuple[float, float]) -> torch.Tensor:
+def normalised_scores(
+    reward_model: torch.nn.Module, batch: RolloutBatch, score_norm: tuple[float, float]
+) -> torch.Tensor:
     mean, std = score_norm
     return (batched_scores(reward_model, batch) - mean) / std
 
 
 @torch.no_grad()
 def evaluate_policy(
-    policy: torch.nn.Module, tokenizer: Any, prompts: PromptSet, models: ScoringModels,
-    sampling: SamplingParams, seed: int, batch_size: int = 128, n_samples: int = 12,
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: PromptSet,
+    models: ScoringModels,
+    sampling: SamplingParams,
+    seed: int,
+    batch_size: int = 128,
+    n_samples: int = 12,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Sample one answer per prompt and measure it. Returns (metrics, sample rows).
 
@@ -91,7 +103,12 @@ def evaluate_policy(
     }
     metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
     rows = [
-        {"prompt": records[i].prompt, "response": texts[i], "gold_score": gold.scores[i], "rm_score": float(torch.cat(rm)[i])}
+        {
+            "prompt": records[i].prompt,
+            "response": texts[i],
+            "gold_score": gold.scores[i],
+            "rm_score": float(torch.cat(rm)[i]),
+        }
         for i in range(min(n_samples, n))
     ]
     return metrics, rows

@@ -39,7 +39,9 @@ def resolve_model_path(path: str, key: str = "model.path") -> str:
         raise ConfigError(f"{key} {path!r} is a file; point it at a Hugging Face model directory")
     if HUB_ID.match(path) and not path.startswith((".", "/")):
         return path
-    raise ConfigError(f"{key} {path!r} does not exist; give a local HF model directory or a hub id like Qwen/Qwen2-0.5B-Instruct")
+    raise ConfigError(
+        f"{key} {path!r} does not exist; give a local HF model directory or a hub id like Qwen/Qwen2-0.5B-Instruct"
+    )
 
 
 def _from_pretrained(cls: Any, path: str, key: str, **kwargs: Any) -> Any:
@@ -79,9 +81,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def load_policy(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "model.path"):
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(
-        AutoModelForCausalLM, path, key, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
-    )
+    model = _from_pretrained(AutoModelForCausalLM, path, key, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return disable_dropout(model)
 
 
@@ -94,8 +94,13 @@ def load_scalar_model(path: str, dtype: str = "float32", trust_remote_code: bool
     from transformers import AutoModelForSequenceClassification
 
     model, info = _from_pretrained(
-        AutoModelForSequenceClassification, path, key, output_loading_info=True,
-        num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+        AutoModelForSequenceClassification,
+        path,
+        key,
+        output_loading_info=True,
+        num_labels=1,
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
     )
     head = scalar_head(model)
     head_names = {name for name, p in model.named_parameters() if any(p is q for q in head.parameters())}
@@ -134,8 +139,10 @@ def token_logprobs(
     and, if asked, the per-token entropy of the same distribution, else None.
     """
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
     )
     logits = out.logits[:, response_start - 1 : -1].float() / temperature
     logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
@@ -145,8 +152,10 @@ def token_logprobs(
 def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     backbone = getattr(model, model.base_model_prefix)
     out = backbone(
-        input_ids=input_ids, attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
     )
     return out.last_hidden_state
 

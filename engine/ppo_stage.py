@@ -12,8 +12,14 @@ from rlflow.engine.evaluation import PromptSet, ScoringModels, encode_prompt_set
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_dir
 from rlflow.engine.ppo import PPOModels, make_controller, make_ppo_optimizers, ppo_step, run_evaluation
 from rlflow.engine.stage import (
-    StageContext, StageOutcome, completed_outcome, fault_point, finish, latest_resumable,
-    restore_training_state, save_checkpoint,
+    StageContext,
+    StageOutcome,
+    completed_outcome,
+    fault_point,
+    finish,
+    latest_resumable,
+    restore_training_state,
+    save_checkpoint,
 )
 from rlflow.engine.train_state import step_seed
 
@@ -30,7 +36,9 @@ class PPOInputs:
     critic: str  # initial critic: the reward model or the policy (per ppo.critic_init)
 
 
-def load_ppo_models(inputs: PPOInputs, resume_dir: str | None, model_cfg: ModelConfig, gold: Callable[..., Any]) -> PPOModels:
+def load_ppo_models(
+    inputs: PPOInputs, resume_dir: str | None, model_cfg: ModelConfig, gold: Callable[..., Any]
+) -> PPOModels:
     kw = {"dtype": model_cfg.dtype, "trust_remote_code": model_cfg.trust_remote_code}
     actor_path = model_dir(resume_dir, "model") if resume_dir else inputs.policy
     critic_path = model_dir(resume_dir, "critic") if resume_dir else inputs.critic
@@ -38,25 +46,44 @@ def load_ppo_models(inputs: PPOInputs, resume_dir: str | None, model_cfg: ModelC
     reference = load_policy(inputs.reference, **kw).eval()
     sft = reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval()
     scoring = ScoringModels(
-        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(), score_norm=inputs.score_norm,
-        reference=reference, sft=sft, gold=gold,
+        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(),
+        score_norm=inputs.score_norm,
+        reference=reference,
+        sft=sft,
+        gold=gold,
     )
     for frozen in (scoring.reward_model, reference, sft):
         frozen.requires_grad_(False)
-    return PPOModels(load_policy(actor_path, **kw), load_scalar_model(critic_path, key="critic", **kw), tokenizer, scoring)
+    return PPOModels(
+        load_policy(actor_path, **kw), load_scalar_model(critic_path, key="critic", **kw), tokenizer, scoring
+    )
 
 
 def load_prompt_sets(tokenizer: Any, data: DataConfig, eval_cfg: EvalConfig, sink) -> tuple[PromptSet, PromptSet]:
-    train, n_trunc, n_drop = encode_prompt_set(tokenizer, load_prompts(data.prompts, data.storage_options), data.max_prompt_tokens, data.prompt_overflow, data.prompts)
+    train, n_trunc, n_drop = encode_prompt_set(
+        tokenizer,
+        load_prompts(data.prompts, data.storage_options),
+        data.max_prompt_tokens,
+        data.prompt_overflow,
+        data.prompts,
+    )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
-    evals, e_trunc, e_drop = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts)
+    evals, e_trunc, e_drop = encode_prompt_set(
+        tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
+    )
     sink.log_metrics({"data/prompts_truncated": n_trunc + e_trunc, "data/prompts_dropped": n_drop + e_drop}, 0)
     return train, evals
 
 
 def run_ppo_stage(
-    ctx: StageContext, inputs: PPOInputs, model_cfg: ModelConfig, cfg: PPOConfig, eval_cfg: EvalConfig,
-    data: DataConfig, checkpoint: CheckpointConfig, gold: Callable[..., Any],
+    ctx: StageContext,
+    inputs: PPOInputs,
+    model_cfg: ModelConfig,
+    cfg: PPOConfig,
+    eval_cfg: EvalConfig,
+    data: DataConfig,
+    checkpoint: CheckpointConfig,
+    gold: Callable[..., Any],
 ) -> StageOutcome:
     """Run `cfg.steps` PPO steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible."""
     if (done := completed_outcome(ctx)) is not None:
@@ -80,7 +107,14 @@ def run_ppo_stage(
         metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
         last = step >= cfg.steps or state["stopped_by_kl"]
         if step % eval_cfg.every_steps == 0 or last:
-            eval_metrics, samples = run_evaluation(models, eval_prompts, cfg, step_seed(ctx.seed, ctx.round_index, 7), eval_cfg.batch_size, eval_cfg.num_logged_samples)
+            eval_metrics, samples = run_evaluation(
+                models,
+                eval_prompts,
+                cfg,
+                step_seed(ctx.seed, ctx.round_index, 7),
+                eval_cfg.batch_size,
+                eval_cfg.num_logged_samples,
+            )
             metrics.update(eval_metrics)
             _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
             if last:
@@ -90,16 +124,34 @@ def run_ppo_stage(
             ctx.sink.log_metrics(metrics, step)
         if step % ctx.every_steps == 0 or last or state["best_step"] == step:
             save_checkpoint(
-                ctx, step, {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)}, optimizers, {},
-                {"kl_controller": controller.state_dict(), "ppo_state": dict(state), "data_position": {"prompts_seen": step * cfg.rollout_batch}},
+                ctx,
+                step,
+                {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
+                optimizers,
+                {},
+                {
+                    "kl_controller": controller.state_dict(),
+                    "ppo_state": dict(state),
+                    "data_position": {"prompts_seen": step * cfg.rollout_batch},
+                },
                 protect={state["best_step"]} if state["best_step"] else set(),
             )
     if "eval/gold_score" not in metrics:  # resumed exactly at the last step: evaluate its policy
-        eval_metrics, samples = run_evaluation(models, eval_prompts, cfg, step_seed(ctx.seed, ctx.round_index, 7), eval_cfg.batch_size, eval_cfg.num_logged_samples)
+        eval_metrics, samples = run_evaluation(
+            models,
+            eval_prompts,
+            cfg,
+            step_seed(ctx.seed, ctx.round_index, 7),
+            eval_cfg.batch_size,
+            eval_cfg.num_logged_samples,
+        )
         metrics.update(eval_metrics)
         ctx.sink.log_table("eval_samples.json", samples)
     keep = ("critic/score/mean", "actor/kl", "eval/gold_score", "eval/rm_score", "eval/kl", "response_length/mean")
-    summary = {k: metrics[k] for k in keep if k in metrics} | {"ppo/steps": step, "ppo/stopped_by_kl": float(state["stopped_by_kl"])}
+    summary = {k: metrics[k] for k in keep if k in metrics} | {
+        "ppo/steps": step,
+        "ppo/stopped_by_kl": float(state["stopped_by_kl"]),
+    }
     return finish(ctx, step, summary, resume)
 
 

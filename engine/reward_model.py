@@ -13,8 +13,14 @@ from rlflow.engine.config import DataConfig, ModelConfig, RewardModelConfig
 from rlflow.engine.data import PreferencePair, load_preference_pairs, load_sft_examples
 from rlflow.engine.models import load_scalar_model, load_tokenizer, sequence_scores
 from rlflow.engine.stage import (
-    StageContext, StageOutcome, completed_outcome, fault_point, finish, restore_training_state,
-    resume_point, save_checkpoint,
+    StageContext,
+    StageOutcome,
+    completed_outcome,
+    fault_point,
+    finish,
+    restore_training_state,
+    resume_point,
+    save_checkpoint,
 )
 from rlflow.engine.train_state import make_optimizer, make_schedule
 
@@ -24,9 +30,14 @@ def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tenso
     return -F.logsigmoid(chosen_scores - rejected_scores)
 
 
-def _pair_rows(tokenizer, pairs: list[PreferencePair], max_tokens: int) -> list[tuple[PromptResponseIds, PromptResponseIds]]:
+def _pair_rows(
+    tokenizer, pairs: list[PreferencePair], max_tokens: int
+) -> list[tuple[PromptResponseIds, PromptResponseIds]]:
     return [
-        (encode_pair(tokenizer, p.prompt, p.chosen, max_tokens), encode_pair(tokenizer, p.prompt, p.rejected, max_tokens))
+        (
+            encode_pair(tokenizer, p.prompt, p.chosen, max_tokens),
+            encode_pair(tokenizer, p.prompt, p.rejected, max_tokens),
+        )
         for p in pairs
     ]
 
@@ -54,13 +65,22 @@ def score_statistics(model, rows: list[PromptResponseIds], pad_id: int, batch_si
     """Mean and std of raw scores on a fixed reference set; PPO normalises rewards with them so
     a retrained reward model does not shift the reward scale between rounds."""
     model.eval()
-    scores = torch.cat([sequence_scores(model, *right_pad(rows[i : i + batch_size], pad_id)[:2]) for i in range(0, len(rows), batch_size)])
+    scores = torch.cat(
+        [
+            sequence_scores(model, *right_pad(rows[i : i + batch_size], pad_id)[:2])
+            for i in range(0, len(rows), batch_size)
+        ]
+    )
     model.train()
     return float(scores.mean()), float(scores.std().clamp(min=1e-6))
 
 
 def run_reward_model_stage(
-    ctx: StageContext, init_path: str, model_cfg: ModelConfig, cfg: RewardModelConfig, data: DataConfig,
+    ctx: StageContext,
+    init_path: str,
+    model_cfg: ModelConfig,
+    cfg: RewardModelConfig,
+    data: DataConfig,
     extra_preferences: tuple[str, ...] = (),
 ) -> StageOutcome:
     """Train on data.preferences plus `extra_preferences` (online-labelled JSONL URIs); measure
@@ -76,7 +96,9 @@ def run_reward_model_stage(
     for url in extra_preferences:
         pairs += load_preference_pairs(url, data.storage_options)
     train_rows = _pair_rows(tokenizer, pairs, cfg.max_seq_tokens)
-    eval_pairs = [p for p in load_preference_pairs(data.preferences_eval, data.storage_options) if p.chosen != p.rejected]
+    eval_pairs = [
+        p for p in load_preference_pairs(data.preferences_eval, data.storage_options) if p.chosen != p.rejected
+    ]
     eval_rows = _pair_rows(tokenizer, eval_pairs, cfg.max_seq_tokens)  # tied pairs carry no label: dropped
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
@@ -90,15 +112,19 @@ def run_reward_model_stage(
     while step < total_steps:
         step += 1
         fault_point("rm", "step", step)
-        rows = [train_rows[i] for i in batch_indices(len(train_rows), cfg.batch_size, step, ctx.seed, ctx.round_index, 2)]
+        rows = [
+            train_rows[i] for i in batch_indices(len(train_rows), cfg.batch_size, step, ctx.seed, ctx.round_index, 2)
+        ]
         chosen, rejected = _score_pairs(model, rows, pad)
         loss = bradley_terry_loss(chosen, rejected).mean()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step(), schedule.step(), optimizer.zero_grad(set_to_none=True)
         metrics = {
-            "rm/loss": loss.item(), "rm/train_accuracy": float((chosen > rejected).float().mean().detach()),
-            "rm/margin": float((chosen - rejected).detach().mean()), "rm/grad_norm": float(grad_norm),
+            "rm/loss": loss.item(),
+            "rm/train_accuracy": float((chosen > rejected).float().mean().detach()),
+            "rm/margin": float((chosen - rejected).detach().mean()),
+            "rm/grad_norm": float(grad_norm),
             "timing_s/elapsed": time.monotonic() - started,
         }
         if step % cfg.log_every == 0 or step == total_steps:
@@ -107,12 +133,22 @@ def run_reward_model_stage(
             ctx.sink.log_metrics(metrics, step)
         if step % ctx.every_steps == 0 or step == total_steps:
             if step == total_steps:
-                reference = [encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens) for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]]
+                reference = [
+                    encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
+                    for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]
+                ]
                 metrics["rm/score_mean"], metrics["rm/score_std"] = score_statistics(model, reference, pad)
-            save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"rm": optimizer}, {"rm": schedule}, {
-                "score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)],
-                "data_position": {"pairs_seen": step * cfg.batch_size},
-            })
+            save_checkpoint(
+                ctx,
+                step,
+                {"model": (model, tokenizer)},
+                {"rm": optimizer},
+                {"rm": schedule},
+                {
+                    "score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)],
+                    "data_position": {"pairs_seen": step * cfg.batch_size},
+                },
+            )
     if "rm/accuracy" not in metrics:  # resumed exactly at the last step
         metrics["rm/accuracy"] = pairwise_accuracy(model, eval_rows, pad)
     metrics["rm/score_mean"], metrics["rm/score_std"] = ctx.store.manifest(step)["meta"]["score_norm"]

@@ -35,8 +35,11 @@ class RolloutBatch:
 
     def rows(self, index: torch.Tensor) -> RolloutBatch:
         return RolloutBatch(
-            self.input_ids[index], self.attention_mask[index], self.response_mask[index],
-            self.prompt_width, tuple(self.response_texts[i] for i in index.tolist()),
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.response_mask[index],
+            self.prompt_width,
+            tuple(self.response_texts[i] for i in index.tolist()),
         )
 
 
@@ -60,9 +63,14 @@ def generate_rollouts(
     # penalty, top_k, min length...): tokens must come from exactly softmax(logits / T), the
     # distribution the PPO ratio and the KL penalty are computed against.
     config = GenerationConfig(
-        do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-        max_new_tokens=params.max_new_tokens, use_cache=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        do_sample=True,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0,
+        max_new_tokens=params.max_new_tokens,
+        use_cache=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     checkpoint_config, policy.generation_config = policy.generation_config, GenerationConfig()
     try:  # generate() fills every unset field from the model's config: give it a blank one
@@ -75,8 +83,11 @@ def generate_rollouts(
     response = torch.where(mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
     texts = tuple(tokenizer.batch_decode(response, skip_special_tokens=True))
     return RolloutBatch(
-        input_ids=torch.cat([ids, response], 1), attention_mask=torch.cat([attention, mask.long()], 1),
-        response_mask=mask, prompt_width=ids.shape[1], response_texts=texts,
+        input_ids=torch.cat([ids, response], 1),
+        attention_mask=torch.cat([attention, mask.long()], 1),
+        response_mask=mask,
+        prompt_width=ids.shape[1],
+        response_texts=texts,
     )
 
 
@@ -85,7 +96,9 @@ def batched_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: f
     """Response log-probs [B, R] under `model` (no grad), computed in row chunks."""
     parts = []
     for i in range(0, batch.input_ids.shape[0], chunk):
-        lp, _ = token_logprobs(model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk], batch.prompt_width, temperature)
+        lp, _ = token_logprobs(
+            model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk], batch.prompt_width, temperature
+        )
         parts.append(lp)
     return torch.cat(parts) * batch.response_mask
 
@@ -103,7 +116,9 @@ def batched_values(critic: torch.nn.Module, batch: RolloutBatch, chunk: int = 64
 @torch.no_grad()
 def batched_scores(reward_model: torch.nn.Module, batch: RolloutBatch, chunk: int = 64) -> torch.Tensor:
     """Raw reward-model scores [B] at each row's last response token."""
-    return torch.cat([
-        sequence_scores(reward_model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk])
-        for i in range(0, batch.input_ids.shape[0], chunk)
-    ])
+    return torch.cat(
+        [
+            sequence_scores(reward_model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk])
+            for i in range(0, batch.input_ids.shape[0], chunk)
+        ]
+    )

@@ -22,8 +22,14 @@ RESULTS_FILE = "results.json"
 
 
 def run_label_stage(
-    ctx: StageContext, policy_path: str, model_cfg: ModelConfig, data: DataConfig, sampling: SamplingParams,
-    labeller: Callable[..., Any], labeller_kwargs: dict[str, Any], n_prompts: int,
+    ctx: StageContext,
+    policy_path: str,
+    model_cfg: ModelConfig,
+    data: DataConfig,
+    sampling: SamplingParams,
+    labeller: Callable[..., Any],
+    labeller_kwargs: dict[str, Any],
+    n_prompts: int,
 ) -> StageOutcome:
     """The current policy answers `n_prompts` prompts twice; the labeller picks one (ties dropped).
 
@@ -35,12 +41,20 @@ def run_label_stage(
     policy = load_policy(policy_path, model_cfg.dtype, model_cfg.trust_remote_code).eval()
     records = load_prompts(data.prompts, data.storage_options)
     chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, ctx.seed, ctx.round_index, 6)
-    prompts, _, _ = encode_prompt_set(tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow, data.prompts)
+    prompts, _, _ = encode_prompt_set(
+        tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow, data.prompts
+    )
     answers = []
     for draw in (0, 1):
         texts: list[str] = []
         for start in range(0, len(prompts.token_ids), 128):
-            batch = generate_rollouts(policy, tokenizer, prompts.token_ids[start : start + 128], sampling, step_seed(ctx.seed, ctx.round_index, draw, start, 8))
+            batch = generate_rollouts(
+                policy,
+                tokenizer,
+                prompts.token_ids[start : start + 128],
+                sampling,
+                step_seed(ctx.seed, ctx.round_index, draw, start, 8),
+            )
             texts.extend(batch.response_texts)
         answers.append(texts)
     rng = random.Random(step_seed(ctx.seed, ctx.round_index, 9))
@@ -74,8 +88,13 @@ class EvalInputs:
 
 
 def run_eval_stage(
-    ctx: StageContext, inputs: EvalInputs, model_cfg: ModelConfig, data: DataConfig, eval_cfg: EvalConfig,
-    sampling: SamplingParams, gold: Callable[..., Any],
+    ctx: StageContext,
+    inputs: EvalInputs,
+    model_cfg: ModelConfig,
+    data: DataConfig,
+    eval_cfg: EvalConfig,
+    sampling: SamplingParams,
+    gold: Callable[..., Any],
 ) -> StageOutcome:
     """Evaluate the start (step 0 of the metrics) and final (step 1) policy on the same prompts
     with the same sampling seed; the outcome holds both as gold_score_before/after etc."""
@@ -85,18 +104,28 @@ def run_eval_stage(
     tokenizer = load_tokenizer(inputs.final_policy, model_cfg.trust_remote_code)
     reference = load_policy(inputs.reference, **kw).eval()
     scoring = ScoringModels(
-        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(), score_norm=inputs.score_norm,
-        reference=reference, sft=reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval(),
+        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(),
+        score_norm=inputs.score_norm,
+        reference=reference,
+        sft=reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval(),
         gold=gold,
     )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
-    prompts, _, _ = encode_prompt_set(tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts)
+    prompts, _, _ = encode_prompt_set(
+        tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
+    )
     results: dict[str, Any] = {}
     for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):
         policy = load_policy(path, **kw).eval()
         metrics, samples = evaluate_policy(
-            policy, tokenizer, prompts, scoring, sampling, step_seed(ctx.seed, ctx.round_index, 10),
-            eval_cfg.batch_size, eval_cfg.num_logged_samples,
+            policy,
+            tokenizer,
+            prompts,
+            scoring,
+            sampling,
+            step_seed(ctx.seed, ctx.round_index, 10),
+            eval_cfg.batch_size,
+            eval_cfg.num_logged_samples,
         )
         ctx.sink.log_metrics(metrics, step)
         ctx.sink.log_table(f"eval_samples_{name}.json", samples)

@@ -16,7 +16,9 @@ def load_function(ref: str, key: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{key}: cannot import module {module_name!r} ({exc}); is it installed or on PYTHONPATH?") from None
+        raise ConfigError(
+            f"{key}: cannot import module {module_name!r} ({exc}); is it installed or on PYTHONPATH?"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{key}: module {module_name!r} has no function {attr!r}")

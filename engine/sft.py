@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -12,19 +11,29 @@ from rlflow.engine.config import DataConfig, ModelConfig, SFTConfig
 from rlflow.engine.data import load_sft_examples
 from rlflow.engine.models import load_policy, load_tokenizer, position_ids_from_mask
 from rlflow.engine.stage import (
-    StageContext, StageOutcome, completed_outcome, fault_point, finish, restore_training_state,
-    resume_point, save_checkpoint,
+    StageContext,
+    StageOutcome,
+    completed_outcome,
+    fault_point,
+    finish,
+    restore_training_state,
+    resume_point,
+    save_checkpoint,
 )
 from rlflow.engine.train_state import make_optimizer, make_schedule
 
 
-def response_token_loss(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def response_token_loss(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token NLL over response tokens, and their count.
 
     ids/attention/response_mask: [B, T]. Returns (sum of NLL in nats, number of tokens); the
     caller divides by the token count of the whole accumulation group.
     """
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention), use_cache=False).logits
+    logits = model(
+        input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention), use_cache=False
+    ).logits
     targets, mask = ids[:, 1:], response_mask[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, reduction="none")
     return (nll * mask).sum(), mask.sum()
@@ -82,15 +91,23 @@ def run_sft_stage(
             ctx.sink.log_metrics(metrics, step)
         done_now = step >= cfg.max_steps or state["bad_evals"] >= cfg.patience
         if step % ctx.every_steps == 0 or done_now:
-            save_checkpoint(ctx, step, {"model": (model, tokenizer)}, {"policy": optimizer}, {"policy": schedule},
-                            {"sft_state": state, "data_position": {"examples_seen": step * cfg.batch_size * cfg.grad_accum}})
+            save_checkpoint(
+                ctx,
+                step,
+                {"model": (model, tokenizer)},
+                {"policy": optimizer},
+                {"policy": schedule},
+                {"sft_state": state, "data_position": {"examples_seen": step * cfg.batch_size * cfg.grad_accum}},
+            )
     final_metrics = {"sft/eval_loss": state["best_eval_loss"], "sft/steps": step}
     if "sft/loss" in metrics:  # absent when resumed exactly at the last step
         final_metrics["sft/loss"] = metrics["sft/loss"]
     return finish(ctx, step, final_metrics, resume)
 
 
-def _train_step(model, optimizer, schedule, rows, pad_id: int, cfg: SFTConfig, step: int, ctx: StageContext) -> dict[str, float]:
+def _train_step(
+    model, optimizer, schedule, rows, pad_id: int, cfg: SFTConfig, step: int, ctx: StageContext
+) -> dict[str, float]:
     indices = batch_indices(len(rows), cfg.batch_size * cfg.grad_accum, step, ctx.seed, ctx.round_index, 1)
     groups = [indices[i :: cfg.grad_accum] for i in range(cfg.grad_accum)]
     batches = [right_pad([rows[j] for j in g], pad_id) for g in groups]
@@ -104,4 +121,9 @@ def _train_step(model, optimizer, schedule, rows, pad_id: int, cfg: SFTConfig, s
     optimizer.step()
     schedule.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"sft/loss": total / float(n_tokens), "sft/grad_norm": float(grad_norm), "sft/lr": schedule.get_last_lr()[0], "sft/tokens": float(n_tokens)}
+    return {
+        "sft/loss": total / float(n_tokens),
+        "sft/grad_norm": float(grad_norm),
+        "sft/lr": schedule.get_last_lr()[0],
+        "sft/tokens": float(n_tokens),
+    }

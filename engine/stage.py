@@ -70,15 +70,21 @@ def completed_outcome(ctx: StageContext) -> StageOutcome | None:
         return None
     if final.get("identity") != ctx.identity:
         # "config.ppo.clip_ratio" -> "ppo.clip_ratio"; "inputs.policy" and "data.sft" stay as they are.
-        changed = [k.removeprefix("config.") for k in diff_keys(final.get("identity_tree", {}), ctx.identity_tree)] or ["(inputs)"]
+        changed = [k.removeprefix("config.") for k in diff_keys(final.get("identity_tree", {}), ctx.identity_tree)] or [
+            "(inputs)"
+        ]
         raise CheckpointError(
             f"stage round_{ctx.round_index}/{ctx.stage} at {ctx.store.url} already finished with a different "
             f"configuration or inputs (changed: {', '.join(changed[:8])}); use a new run.name to run it again"
         )
     return StageOutcome(
-        stage=ctx.stage, round_index=ctx.round_index, step=final["step"],
-        checkpoint_uri=ctx.store.step_url(final["step"]), manifest_sha256=final["manifest_sha256"],
-        metrics=final.get("metrics", {}), skipped=True,
+        stage=ctx.stage,
+        round_index=ctx.round_index,
+        step=final["step"],
+        checkpoint_uri=ctx.store.step_url(final["step"]),
+        manifest_sha256=final["manifest_sha256"],
+        metrics=final.get("metrics", {}),
+        skipped=True,
     )
 
 
@@ -125,7 +131,9 @@ def resume_point(ctx: StageContext, init_path: str) -> tuple[int | None, str]:
     return step, (model_dir(ctx.store.local_dir(step)) if step is not None else init_path)
 
 
-def restore_training_state(ctx: StageContext, step: int, optimizers: dict[str, Any], schedulers: dict[str, Any]) -> dict[str, Any]:
+def restore_training_state(
+    ctx: StageContext, step: int, optimizers: dict[str, Any], schedulers: dict[str, Any]
+) -> dict[str, Any]:
     load_training_state(ctx.store.read_bytes(step, "training_state.pt"), optimizers, schedulers)
     return ctx.store.manifest(step)["meta"]
 
@@ -137,8 +145,13 @@ def finish(ctx: StageContext, step: int, metrics: dict[str, float], resumed_from
     )
     ctx.sink.log_text("checkpoint_uri.txt", ctx.store.step_url(step) + "\n")
     return StageOutcome(
-        stage=ctx.stage, round_index=ctx.round_index, step=step, checkpoint_uri=ctx.store.step_url(step),
-        manifest_sha256=record["manifest_sha256"], metrics=metrics, resumed_from=resumed_from,
+        stage=ctx.stage,
+        round_index=ctx.round_index,
+        step=step,
+        checkpoint_uri=ctx.store.step_url(step),
+        manifest_sha256=record["manifest_sha256"],
+        metrics=metrics,
+        resumed_from=resumed_from,
     )
 
 

@@ -44,8 +44,14 @@ def check_inputs(config: Any) -> None:
 
     resolve_model_path(config.model.path)
     d = config.data
-    for loader, url in ((load_sft_examples, d.sft), (load_sft_examples, d.sft_eval), (load_preference_pairs, d.preferences),
-                        (load_preference_pairs, d.preferences_eval), (load_prompts, d.prompts), (load_prompts, d.eval_prompts)):
+    for loader, url in (
+        (load_sft_examples, d.sft),
+        (load_sft_examples, d.sft_eval),
+        (load_preference_pairs, d.preferences),
+        (load_preference_pairs, d.preferences_eval),
+        (load_prompts, d.prompts),
+        (load_prompts, d.eval_prompts),
+    ):
         loader(url, d.storage_options)
     load_function(config.gold.fn, "gold.fn")
     load_function(config.label.labeller.fn, "label.labeller.fn")
@@ -98,7 +104,9 @@ def command_demo_assets(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlflow", description="RLHF as a Prefect flow: SFT -> reward model -> PPO rounds.")
+    parser = argparse.ArgumentParser(
+        prog="rlflow", description="RLHF as a Prefect flow: SFT -> reward model -> PPO rounds."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run or continue (same run.name) the pipeline of a config")
     run.add_argument("config", help="YAML config, e.g. configs/demo.yaml")

@@ -25,11 +25,28 @@ from rlflow.engine.data import fingerprint_file
 from rlflow.engine.models import model_fingerprint
 from rlflow.engine.stage import compute_identity
 from rlflow.tasks.stages import (
-    StageResult, StageSpec, eval_task, label_task, output_exists, ppo_task, rm_task, sft_task,
+    StageResult,
+    StageSpec,
+    eval_task,
+    label_task,
+    output_exists,
+    ppo_task,
+    rm_task,
+    sft_task,
 )
 from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
 
-SUMMARY_KEYS = ("rm_accuracy", "gold_score_before", "gold_score_after", "gold_score_stderr", "kl", "response_length", "distinct_2", "valid_fraction", "seconds")
+SUMMARY_KEYS = (
+    "rm_accuracy",
+    "gold_score_before",
+    "gold_score_after",
+    "gold_score_stderr",
+    "kl",
+    "response_length",
+    "distinct_2",
+    "valid_fraction",
+    "seconds",
+)
 
 
 class RoundPlanner:
@@ -43,15 +60,25 @@ class RoundPlanner:
             for name in ("sft", "sft_eval", "preferences", "preferences_eval", "prompts", "eval_prompts")
         }
 
-    def spec(self, stage: str, round_index: int, sections: dict[str, Any], inputs: dict[str, str], data: tuple[str, ...]) -> StageSpec:
+    def spec(
+        self, stage: str, round_index: int, sections: dict[str, Any], inputs: dict[str, str], data: tuple[str, ...]
+    ) -> StageSpec:
         tree = {
-            "stage": stage, "seed": self.config.run.seed,
+            "stage": stage,
+            "seed": self.config.run.seed,
             "config": {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in sections.items()},
-            "inputs": inputs, "data": {name: self.fingerprints[name] for name in data},
+            "inputs": inputs,
+            "data": {name: self.fingerprints[name] for name in data},
         }
         if stage in ("label", "ppo", "eval"):  # the stages that encode prompts
             tree["data_options"] = {k: getattr(self.config.data, k) for k in ("max_prompt_tokens", "prompt_overflow")}
-        return StageSpec(stage=stage, round_index=round_index, identity=compute_identity(tree), identity_tree=tree, parent_run_id=self.parent_run_id)
+        return StageSpec(
+            stage=stage,
+            round_index=round_index,
+            identity=compute_identity(tree),
+            identity_tree=tree,
+            parent_run_id=self.parent_run_id,
+        )
 
 
 def run_stage(task_fn: Any, config: Config, spec: StageSpec, *args: Any) -> StageResult:
@@ -71,28 +98,68 @@ def _uri(value: str | StageResult) -> str:
     return value.checkpoint_uri if isinstance(value, StageResult) else value
 
 
-def run_round(config: Config, planner: RoundPlanner, r: int, policy: str | StageResult, sft: str | StageResult, labels: list[StageResult]) -> tuple[StageResult, StageResult | str, dict[str, Any]]:
+def run_round(
+    config: Config,
+    planner: RoundPlanner,
+    r: int,
+    policy: str | StageResult,
+    sft: str | StageResult,
+    labels: list[StageResult],
+) -> tuple[StageResult, StageResult | str, dict[str, Any]]:
     """One round; returns (final policy, SFT policy, summary row). `labels` grows by this round's."""
     c = config
     model_section = c.model.model_dump(exclude={"path"})
     if r in c.sft.rounds:
-        spec = planner.spec("sft", r, {"sft": c.sft.model_dump(exclude={"rounds", "log_every"}), "model": model_section}, {"init": _input_id(policy)}, ("sft", "sft_eval"))
+        spec = planner.spec(
+            "sft",
+            r,
+            {"sft": c.sft.model_dump(exclude={"rounds", "log_every"}), "model": model_section},
+            {"init": _input_id(policy)},
+            ("sft", "sft_eval"),
+        )
         sft = policy = run_stage(sft_task, c, spec, _uri(policy))
     if c.label.online_from_round is not None and r >= c.label.online_from_round:
-        spec = planner.spec("label", r, {"label": c.label, "ppo_sampling": _sampling(c)}, {"policy": _input_id(policy)}, ("prompts",))
+        spec = planner.spec(
+            "label", r, {"label": c.label, "ppo_sampling": _sampling(c)}, {"policy": _input_id(policy)}, ("prompts",)
+        )
         labels.append(run_stage(label_task, c, spec, _uri(policy)))  # the reward model trains on the union
     rm_init = sft if c.rm.init == "sft" else c.rm.init
-    rm_spec = planner.spec("rm", r, {"rm": c.rm.model_dump(exclude={"log_every"}), "model": model_section},
-                           {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)},
-                           ("preferences", "preferences_eval", "sft"))
-    rm = run_stage(rm_task, c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels if l.metrics.get("label/pairs", 0) > 0])
+    rm_spec = planner.spec(
+        "rm",
+        r,
+        {"rm": c.rm.model_dump(exclude={"log_every"}), "model": model_section},
+        {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)},
+        ("preferences", "preferences_eval", "sft"),
+    )
+    rm = run_stage(
+        rm_task, c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels if l.metrics.get("label/pairs", 0) > 0]
+    )
     reference = sft if c.ppo.reference == "sft" else policy
     inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft)}
-    ppo_spec = planner.spec("ppo", r, {"ppo": c.ppo.model_dump(exclude={"log_every"}), "eval": c.eval, "gold": c.gold, "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode], "model": model_section},
-                            {k: _input_id(v) for k, v in (("policy", policy), ("reference", reference), ("sft", sft), ("rm", rm))}, ("prompts", "eval_prompts"))
+    ppo_spec = planner.spec(
+        "ppo",
+        r,
+        {
+            "ppo": c.ppo.model_dump(exclude={"log_every"}),
+            "eval": c.eval,
+            "gold": c.gold,
+            "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode],
+            "model": model_section,
+        },
+        {k: _input_id(v) for k, v in (("policy", policy), ("reference", reference), ("sft", sft), ("rm", rm))},
+        ("prompts", "eval_prompts"),
+    )
     ppo = run_stage(ppo_task, c, ppo_spec, inputs, rm)
-    eval_spec = planner.spec("eval", r, {"eval": c.eval, "gold": c.gold, "sampling": _sampling(c), "model": model_section},
-                             {k: _input_id(v) for k, v in (("policy", policy), ("final", ppo), ("reference", reference), ("sft", sft), ("rm", rm))}, ("eval_prompts",))
+    eval_spec = planner.spec(
+        "eval",
+        r,
+        {"eval": c.eval, "gold": c.gold, "sampling": _sampling(c), "model": model_section},
+        {
+            k: _input_id(v)
+            for k, v in (("policy", policy), ("final", ppo), ("reference", reference), ("sft", sft), ("rm", rm))
+        },
+        ("eval_prompts",),
+    )
     evaluation = run_stage(eval_task, c, eval_spec, inputs | {"final": ppo.checkpoint_uri}, rm)
     return ppo, sft, _summary_row(r, rm, evaluation)
 
@@ -104,12 +171,17 @@ def _sampling(c: Config) -> dict[str, Any]:
 def _summary_row(r: int, rm: StageResult, evaluation: StageResult) -> dict[str, Any]:
     m = evaluation.metrics
     return {
-        "round": r, "rm_accuracy": rm.metrics.get("rm/accuracy"),
-        "gold_score_before": m["gold_score_before"], "gold_score_after": m["gold_score_after"],
-        "gold_score_stderr": m["gold_score_stderr_after"], "kl": m["kl_after"],
-        "response_length": m["response_length_after"], "distinct_2": m["distinct_2_after"],
+        "round": r,
+        "rm_accuracy": rm.metrics.get("rm/accuracy"),
+        "gold_score_before": m["gold_score_before"],
+        "gold_score_after": m["gold_score_after"],
+        "gold_score_stderr": m["gold_score_stderr_after"],
+        "kl": m["kl_after"],
+        "response_length": m["response_length_after"],
+        "distinct_2": m["distinct_2_after"],
         "valid_fraction": m["valid_fraction_after"],
-        "response_length_before": m["response_length_before"], "distinct_2_before": m["distinct_2_before"],
+        "response_length_before": m["response_length_before"],
+        "distinct_2_before": m["distinct_2_before"],
         "valid_fraction_before": m["valid_fraction_before"],
     }
 
@@ -139,10 +211,14 @@ def mark_stale_flow_runs_crashed(run_name: str) -> list[str]:
     current = flow_run.get_id()
     state_filter = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name]), state=state_filter))
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name]), state=state_filter)
+        )
         stale = [r for r in runs if str(r.id) != str(current)]
         for run in stale:
-            client.set_flow_run_state(run.id, Crashed(message="process killed; continued by a later flow run"), force=True)
+            client.set_flow_run_state(
+                run.id, Crashed(message="process killed; continued by a later flow run"), force=True
+            )
     return [str(r.id) for r in stale]
 
 
@@ -160,7 +236,9 @@ def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
     # The lock comes first: a second process on this run must not touch its MLflow runs.
     with RunLock(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", cfg.run.storage_options):
         for stale in mark_stale_flow_runs_crashed(cfg.run.name):
-            logger.warning("flow run %s of '%s' was left Running by a killed process: marked Crashed", stale, cfg.run.name)
+            logger.warning(
+                "flow run %s of '%s' was left Running by a killed process: marked Crashed", stale, cfg.run.name
+            )
         tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)
         parent = tracker.parent_run(cfg.run.name, config)
         tracker.mark_crashed_children(parent)
@@ -186,5 +264,7 @@ def run_rounds(cfg: Config, parent_run_id: str, logger: Any) -> tuple[list[dict[
         policy, sft, row = run_round(cfg, planner, r, policy, sft, labels)
         rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
         url = write_summary(cfg, rows)
-        logger.info("round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url)
+        logger.info(
+            "round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url
+        )
     return rows, policy

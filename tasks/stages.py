@@ -30,7 +30,15 @@ STEP_URI = re.compile(r"^(?P<prefix>.+)/step_(?P<step>\d{6})/?$")
 PROGRESS_KEYS = {
     "sft": ("sft/loss", "sft/eval_loss", "sft/lr"),
     "rm": ("rm/loss", "rm/train_accuracy", "rm/accuracy"),
-    "ppo": ("critic/score/mean", "actor/kl", "actor/pg_loss", "critic/vf_loss", "response_length/mean", "eval/gold_score", "timing_s/step"),
+    "ppo": (
+        "critic/score/mean",
+        "actor/kl",
+        "actor/pg_loss",
+        "critic/vf_loss",
+        "response_length/mean",
+        "eval/gold_score",
+        "timing_s/step",
+    ),
     "eval": ("eval/gold_score", "eval/rm_score", "eval/kl", "eval/distinct_2", "eval/valid_fraction"),
     "label": ("label/pairs", "label/ties_dropped"),
 }
@@ -71,7 +79,9 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 
 def output_exists(config: Config, result: StageResult) -> bool:
     """Whether the store still holds the final output a (possibly cached) result points to."""
-    store = CheckpointStore(stage_prefix(config.run.root, config.run.name, result.round_index, result.stage), config.run.storage_options)
+    store = CheckpointStore(
+        stage_prefix(config.run.root, config.run.name, result.round_index, result.stage), config.run.storage_options
+    )
     final = store.final()
     return final is not None and final["manifest_sha256"] == result.manifest_sha256
 
@@ -85,36 +95,56 @@ def model_location(uri_or_path: str, storage_options: dict[str, Any], prefix: st
     return f"{store.local_dir(int(match['step']))}/{prefix}"
 
 
-def _run_tracked(config: Config, spec: StageSpec, total_steps: int | None, body: Callable[[StageContext], StageOutcome]) -> StageResult:
+def _run_tracked(
+    config: Config, spec: StageSpec, total_steps: int | None, body: Callable[[StageContext], StageOutcome]
+) -> StageResult:
     set_threads(config.run.threads)
     tracker = RunTracker(resolve_tracking_uri(config.tracking.uri, config.run.root), config.tracking.experiment)
     run_id = tracker.child_run(spec.parent_run_id, spec.round_index, spec.stage)
     console = ConsoleSink(f"round {spec.round_index} {spec.stage}", total_steps, PROGRESS_KEYS[spec.stage])
     ctx = StageContext(
-        store=CheckpointStore(stage_prefix(config.run.root, config.run.name, spec.round_index, spec.stage), config.run.storage_options),
-        stage=spec.stage, round_index=spec.round_index, seed=config.run.seed, identity=spec.identity,
-        identity_tree=spec.identity_tree, every_steps=config.checkpoint.every_steps,
-        keep_last=config.checkpoint.keep_last, sink=FanoutSink(console, tracker.sink(run_id)),
+        store=CheckpointStore(
+            stage_prefix(config.run.root, config.run.name, spec.round_index, spec.stage), config.run.storage_options
+        ),
+        stage=spec.stage,
+        round_index=spec.round_index,
+        seed=config.run.seed,
+        identity=spec.identity,
+        identity_tree=spec.identity_tree,
+        every_steps=config.checkpoint.every_steps,
+        keep_last=config.checkpoint.keep_last,
+        sink=FanoutSink(console, tracker.sink(run_id)),
     )
     try:
         outcome = body(ctx)
     except BaseException:
         tracker.finish(run_id, "FAILED")
         raise
-    tracker.set_tags(run_id, {
-        "rlflow.checkpoint_uri": outcome.checkpoint_uri, "rlflow.identity": spec.identity,
-        "rlflow.resumed_from": "" if outcome.resumed_from is None else str(outcome.resumed_from),
-    })
+    tracker.set_tags(
+        run_id,
+        {
+            "rlflow.checkpoint_uri": outcome.checkpoint_uri,
+            "rlflow.identity": spec.identity,
+            "rlflow.resumed_from": "" if outcome.resumed_from is None else str(outcome.resumed_from),
+        },
+    )
     tracker.finish(run_id, "FINISHED")
     return StageResult(
-        stage=outcome.stage, round_index=outcome.round_index, step=outcome.step,
-        checkpoint_uri=outcome.checkpoint_uri, manifest_sha256=outcome.manifest_sha256,
-        metrics=outcome.metrics, mlflow_run_id=run_id, resumed_from=outcome.resumed_from,
+        stage=outcome.stage,
+        round_index=outcome.round_index,
+        step=outcome.step,
+        checkpoint_uri=outcome.checkpoint_uri,
+        manifest_sha256=outcome.manifest_sha256,
+        metrics=outcome.metrics,
+        mlflow_run_id=run_id,
+        resumed_from=outcome.resumed_from,
     )
 
 
 STAGE_TASK = dict(
-    cache_key_fn=_cache_key, persist_result=True, result_serializer="json",
+    cache_key_fn=_cache_key,
+    persist_result=True,
+    result_serializer="json",
     task_run_name="round-{spec.round_index}-{spec.stage}",
 )
 
@@ -122,51 +152,87 @@ STAGE_TASK = dict(
 @task(name="sft", **STAGE_TASK)
 def sft_task(config: Config, spec: StageSpec, init_uri: str) -> StageResult:
     so = config.run.storage_options
-    return _run_tracked(config, spec, config.sft.max_steps, lambda ctx: run_sft_stage(
-        ctx, model_location(init_uri, so), config.model, config.sft, config.data))
+    return _run_tracked(
+        config,
+        spec,
+        config.sft.max_steps,
+        lambda ctx: run_sft_stage(ctx, model_location(init_uri, so), config.model, config.sft, config.data),
+    )
 
 
 @task(name="label", **STAGE_TASK)
 def label_task(config: Config, spec: StageSpec, policy_uri: str) -> StageResult:
     labeller = load_function(config.label.labeller.fn, "label.labeller.fn")
-    return _run_tracked(config, spec, None, lambda ctx: run_label_stage(
-        ctx, model_location(policy_uri, config.run.storage_options), config.model, config.data,
-        sampling_of(config), labeller, config.label.labeller.kwargs, config.label.prompts_per_round))
+    return _run_tracked(
+        config,
+        spec,
+        None,
+        lambda ctx: run_label_stage(
+            ctx,
+            model_location(policy_uri, config.run.storage_options),
+            config.model,
+            config.data,
+            sampling_of(config),
+            labeller,
+            config.label.labeller.kwargs,
+            config.label.prompts_per_round,
+        ),
+    )
 
 
 @task(name="rm", **STAGE_TASK)
 def rm_task(config: Config, spec: StageSpec, init_uri: str, label_uris: list[str]) -> StageResult:
     extra = tuple(f"{uri}/{PAIRS_FILE}" for uri in label_uris)
-    return _run_tracked(config, spec, None, lambda ctx: run_reward_model_stage(
-        ctx, model_location(init_uri, config.run.storage_options), config.model, config.rm, config.data, extra))
+    return _run_tracked(
+        config,
+        spec,
+        None,
+        lambda ctx: run_reward_model_stage(
+            ctx, model_location(init_uri, config.run.storage_options), config.model, config.rm, config.data, extra
+        ),
+    )
 
 
 @task(name="ppo", **STAGE_TASK)
 def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
     so = config.run.storage_options
     ppo_inputs = PPOInputs(
-        policy=model_location(inputs["policy"], so), reference=model_location(inputs["reference"], so),
-        sft=model_location(inputs["sft"], so), reward_model=model_location(rm.checkpoint_uri, so),
+        policy=model_location(inputs["policy"], so),
+        reference=model_location(inputs["reference"], so),
+        sft=model_location(inputs["sft"], so),
+        reward_model=model_location(rm.checkpoint_uri, so),
         score_norm=(rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]),
         critic=model_location(rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"], so),
     )
     gold = load_function(config.gold.fn, "gold.fn")
-    return _run_tracked(config, spec, config.ppo.steps, lambda ctx: run_ppo_stage(
-        ctx, ppo_inputs, config.model, config.ppo, config.eval, config.data, config.checkpoint, gold))
+    return _run_tracked(
+        config,
+        spec,
+        config.ppo.steps,
+        lambda ctx: run_ppo_stage(
+            ctx, ppo_inputs, config.model, config.ppo, config.eval, config.data, config.checkpoint, gold
+        ),
+    )
 
 
 @task(name="eval", **STAGE_TASK)
 def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
     so = config.run.storage_options
     eval_inputs = EvalInputs(
-        start_policy=model_location(inputs["policy"], so), final_policy=model_location(inputs["final"], so),
-        reference=model_location(inputs["reference"], so), sft=model_location(inputs["sft"], so),
+        start_policy=model_location(inputs["policy"], so),
+        final_policy=model_location(inputs["final"], so),
+        reference=model_location(inputs["reference"], so),
+        sft=model_location(inputs["sft"], so),
         reward_model=model_location(rm.checkpoint_uri, so),
         score_norm=(rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]),
     )
     gold = load_function(config.gold.fn, "gold.fn")
-    return _run_tracked(config, spec, None, lambda ctx: run_eval_stage(
-        ctx, eval_inputs, config.model, config.data, config.eval, sampling_of(config), gold))
+    return _run_tracked(
+        config,
+        spec,
+        None,
+        lambda ctx: run_eval_stage(ctx, eval_inputs, config.model, config.data, config.eval, sampling_of(config), gold),
+    )
 
 
 def sampling_of(config: Config) -> SamplingParams:

@@ -10,7 +10,6 @@ This is the only module (with flows/tasks) that imports mlflow; the engine logs 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re

@@ -2,6 +2,7 @@
 
 Each is started once per test session: they are the expensive parts of the suite.
 """
+
 import os
 import socket
 import subprocess
@@ -59,12 +60,21 @@ def prefect_server(tmp_path_factory):
     CLI subprocesses they start) at it, so no test pays for a temporary server."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
+    )
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "wb")
-    proc = subprocess.Popen([str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + 120
     while True:
@@ -77,7 +87,9 @@ def prefect_server(tmp_path_factory):
                 raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
             time.sleep(0.5)
     saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH")}
-    os.environ.update(PREFECT_API_URL=url, PREFECT_HOME=str(home), PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"))
+    os.environ.update(
+        PREFECT_API_URL=url, PREFECT_HOME=str(home), PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results")
+    )
     try:
         yield url
     finally:
@@ -104,7 +116,10 @@ def small_assets(tmp_path_factory):
 
 def small_config_tree(assets: Path, root: Path, **sections) -> dict:
     """A reduced config: seconds per stage instead of minutes."""
-    data = {k: str(assets / "data" / f"{k}.jsonl") for k in ("sft", "sft_eval", "preferences", "preferences_eval", "prompts", "eval_prompts")}
+    data = {
+        k: str(assets / "data" / f"{k}.jsonl")
+        for k in ("sft", "sft_eval", "preferences", "preferences_eval", "prompts", "eval_prompts")
+    }
     tree = {
         "run": {"name": "t", "root": str(root), "threads": 2, "rounds": 1},
         "model": {"path": str(assets / "tiny-model")},
@@ -134,8 +149,15 @@ def trained(small_assets, tmp_path_factory):
     cfg = build_config(small_config_tree(small_assets, root, sft={"max_steps": 60}), "test")
 
     def ctx(stage):
-        return StageContext(store=CheckpointStore(f"{root}/{stage}"), stage=stage, round_index=0, seed=0,
-                            identity=stage, identity_tree={}, every_steps=1000)
+        return StageContext(
+            store=CheckpointStore(f"{root}/{stage}"),
+            stage=stage,
+            round_index=0,
+            seed=0,
+            identity=stage,
+            identity_tree={},
+            every_steps=1000,
+        )
 
     sft = run_sft_stage(ctx("sft"), cfg.model.path, cfg.model, cfg.sft, cfg.data)
     sft_dir = f"{sft.checkpoint_uri}/model"

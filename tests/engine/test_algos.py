@@ -12,8 +12,7 @@ T = torch.tensor
 
 
 def close(actual, expected, atol=1e-5, rtol=0.0):
-    torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(),
-                               atol=atol, rtol=rtol)
+    torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=rtol)
 
 
 # Shared small example: rows of length 2 and 1 inside T=3.
@@ -245,12 +244,13 @@ def test_token_mean_with_global_count_matches_full_batch():
     mask = T([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]).float()
     full = algos.aggregate_loss(per_token, mask, "token-mean")
     global_count = mask.sum()
-    micro = [algos.aggregate_loss(per_token[i:i + 2], mask[i:i + 2], "token-mean",
-                                  num_tokens=global_count) for i in (0, 2)]
+    micro = [
+        algos.aggregate_loss(per_token[i : i + 2], mask[i : i + 2], "token-mean", num_tokens=global_count)
+        for i in (0, 2)
+    ]
     close(micro[0] + micro[1], full)
     # the naive mean of per-micro-batch means differs here (6 vs 5 tokens), so the check bites
-    naive = sum(algos.aggregate_loss(per_token[i:i + 2], mask[i:i + 2], "token-mean")
-                for i in (0, 2)) / 2
+    naive = sum(algos.aggregate_loss(per_token[i : i + 2], mask[i : i + 2], "token-mean") for i in (0, 2)) / 2
     assert not torch.isclose(naive, full)
 
 

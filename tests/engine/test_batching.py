@@ -18,7 +18,9 @@ def test_left_pad():
 
 def test_batches_are_a_pure_function_of_step_and_cover_each_epoch():
     n, size = 10, 4
-    first_epoch = [i for step in (1, 2) for i in batch_indices(n, size, step, 0, 0)] + batch_indices(n, size, 3, 0, 0)[:2]
+    first_epoch = [i for step in (1, 2) for i in batch_indices(n, size, step, 0, 0)] + batch_indices(n, size, 3, 0, 0)[
+        :2
+    ]
     assert sorted(first_epoch) == list(range(n))  # steps 1..3 (10 items) are one permutation
     assert batch_indices(n, size, 3, 0, 0) == batch_indices(n, size, 3, 0, 0)
     assert batch_indices(n, size, 1, 0, 0) != batch_indices(n, size, 1, 1, 0)  # other seed, other order

@@ -1,4 +1,5 @@
 """Tests for rlflow.engine.checkpoint: commit protocol, reads, verify, prune, final marker, RunLock."""
+
 import hashlib
 import json
 import os
@@ -152,7 +153,13 @@ def test_prune_keeps_last_protected_and_final(local, tmp_path):
     assert local.prune(keep_last=2, protect={3}) == [1, 4]
     assert local.committed_steps() == [2, 3, 5, 6]
     assert sorted(os.listdir(tmp_path / "ppo")) == [
-        "final.json", "step_000002", "step_000003", "step_000005", "step_000006", "step_000007"]
+        "final.json",
+        "step_000002",
+        "step_000003",
+        "step_000005",
+        "step_000006",
+        "step_000007",
+    ]
 
 
 def test_mark_final_and_final(local):
@@ -176,6 +183,7 @@ def test_second_store_sees_commits(store):
 
 # --- RunLock ---------------------------------------------------------------------------------
 
+
 def _write_lock(run_dir, pid, host=None):
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, ".lock"), "w") as f:
@@ -193,17 +201,27 @@ def test_runlock_acquire_release(tmp_path):
 
 def test_runlock_held_by_live_child(tmp_path):
     run_dir = str(tmp_path / "myrun")
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from rlflow.engine.checkpoint import RunLock
         RunLock({run_dir!r}).acquire()
         print("locked", flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "locked"
-        expected = (f"run '{run_dir}' is already being run by pid {child.pid} on host {socket.gethostname()} "
-                    rf"\(started .*\); wait for it or delete {run_dir}/.lock if that process is gone")
+        expected = (
+            f"run '{run_dir}' is already being run by pid {child.pid} on host {socket.gethostname()} "
+            rf"\(started .*\); wait for it or delete {run_dir}/.lock if that process is gone"
+        )
         with pytest.raises(CheckpointError, match=expected):
             RunLock(run_dir).acquire()
     finally:
@@ -234,6 +252,7 @@ def test_runlock_stale_is_taken_over(tmp_path):
 
 
 # --- S3 (moto) -------------------------------------------------------------------------------
+
 
 def test_s3_store(s3_bucket, tmp_path):
     bucket, options = s3_bucket

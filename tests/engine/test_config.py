@@ -3,7 +3,15 @@ from pathlib import Path
 import pytest
 
 from rlflow.engine.config import (
-    REDACTED, Config, apply_override, build_config, diff_keys, flatten, load_config, merge_trees, redact,
+    REDACTED,
+    Config,
+    apply_override,
+    build_config,
+    diff_keys,
+    flatten,
+    load_config,
+    merge_trees,
+    redact,
     split_secrets,
 )
 from rlflow.engine.errors import ConfigError
@@ -25,7 +33,9 @@ def test_every_shipped_config_loads(path):
 def test_overrides_parse_yaml_values(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("ppo:\n  steps: 5\n")
-    config = load_config(path, ["ppo.steps=7", "ppo.kl.target=0.2", "sft.rounds=[0, 2]", "run.name=exp-1", "ppo.stop_kl=null"])
+    config = load_config(
+        path, ["ppo.steps=7", "ppo.kl.target=0.2", "sft.rounds=[0, 2]", "run.name=exp-1", "ppo.stop_kl=null"]
+    )
     assert config.ppo.steps == 7
     assert config.ppo.kl.target == pytest.approx(0.2)
     assert config.sft.rounds == [0, 2]
@@ -89,7 +99,11 @@ def test_override_without_equals_sign():
 
 def test_secrets_are_split_out_and_merged_back():
     tree = Config().model_dump(mode="json")
-    tree["run"]["storage_options"] = {"key": "AKIAXXXX", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://x"}}
+    tree["run"]["storage_options"] = {
+        "key": "AKIAXXXX",
+        "secret": "s3cr3t",
+        "client_kwargs": {"endpoint_url": "http://x"},
+    }
     public, secret = split_secrets(tree)
     assert public["run"]["storage_options"] == REDACTED
     assert "AKIAXXXX" not in repr(public) and "s3cr3t" not in repr(flatten(redact(tree)))

@@ -72,8 +72,10 @@ def test_json_extension_and_gzip_are_read_as_jsonl(tmp_path):
 
 
 def test_csv_round_trip_reports_physical_lines(tmp_path):
-    rows = [{"prompt": "line one\nline two", "chosen": "a, b", "rejected": "c"},
-            {"prompt": "p2", "chosen": "x", "rejected": "y"}]
+    rows = [
+        {"prompt": "line one\nline two", "chosen": "a, b", "rejected": "c"},
+        {"prompt": "p2", "chosen": "x", "rejected": "y"},
+    ]
     path = tmp_path / "prefs.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     # The header is line 1 and the first prompt spans lines 2-3, so row two starts on line 4.
@@ -145,10 +147,7 @@ def test_header_only_csv_is_empty(tmp_path):
 def test_missing_response_field(tmp_path):
     url = write_jsonl(tmp_path / "sft.jsonl", [SFT_ROWS[0], {"prompt": "only a prompt"}])
     message = raises_data_error(load_sft_examples, url)
-    assert message == (
-        f"{url}:2: missing field 'response' "
-        "(SFT rows need 'prompt' and 'response', or 'messages')"
-    )
+    assert message == (f"{url}:2: missing field 'response' (SFT rows need 'prompt' and 'response', or 'messages')")
 
 
 def test_wrong_type_and_empty_fields(tmp_path):
@@ -199,11 +198,14 @@ def tokenizer():
     raw = Tokenizer(models.BPE(unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<pad>", "<eos>", "<unk>"])
-    corpus = ["the quick brown fox jumps over the lazy dog", "what is two plus two",
-              "name a colour please", "hello there how are you today"]
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "what is two plus two",
+        "name a colour please",
+        "hello there how are you today",
+    ]
     raw.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def test_format_prompt_without_template(tokenizer):
@@ -213,8 +215,10 @@ def test_format_prompt_without_template(tokenizer):
 
 
 def test_format_prompt_with_template(tokenizer, monkeypatch):
-    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     monkeypatch.setattr(tokenizer, "chat_template", template, raising=False)
     assert format_prompt(tokenizer, "hello") == "[user]hello\n[assistant]"
     assert format_prompt(tokenizer, tuple(CHAT[:-1])) == "[system]Be brief.\n[user]Hi\n[assistant]"
@@ -225,8 +229,7 @@ def test_encode_prompts_truncate_keeps_last_tokens(tokenizer):
     full = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     assert len(full[0]) > 4 >= len(full[1])
     encoded = encode_prompts(tokenizer, prompts, max_prompt_tokens=4, overflow="truncate")
-    assert encoded == EncodedPrompts(token_ids=[full[0][-4:], full[1]], kept_indices=[0, 1],
-                                     n_truncated=1, n_dropped=0)
+    assert encoded == EncodedPrompts(token_ids=[full[0][-4:], full[1]], kept_indices=[0, 1], n_truncated=1, n_dropped=0)
 
 
 def test_encode_prompts_drop(tokenizer):

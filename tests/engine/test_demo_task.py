@@ -41,4 +41,6 @@ def test_assets_are_deterministic(tmp_path):
     b = make_demo_assets(tmp_path / "b", seed=3, sizes=sizes)
     for name in ("sft.jsonl", "preferences.jsonl", "preferences_eval.jsonl", "prompts.jsonl"):
         assert (a / "data" / name).read_bytes() == (b / "data" / name).read_bytes()
-    assert (a / "tiny-model" / "model.safetensors").read_bytes() == (b / "tiny-model" / "model.safetensors").read_bytes()
+    assert (a / "tiny-model" / "model.safetensors").read_bytes() == (
+        b / "tiny-model" / "model.safetensors"
+    ).read_bytes()

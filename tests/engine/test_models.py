@@ -8,8 +8,14 @@ import torch
 
 from rlflow.engine.errors import ConfigError
 from rlflow.engine.models import (
-    load_policy, load_scalar_model, load_tokenizer, model_fingerprint, position_ids_from_mask, resolve_model_path,
-    scalar_head, sequence_scores,
+    load_policy,
+    load_scalar_model,
+    load_tokenizer,
+    model_fingerprint,
+    position_ids_from_mask,
+    resolve_model_path,
+    scalar_head,
+    sequence_scores,
 )
 from rlflow.engine.rollout import SamplingParams, generate_rollouts, response_mask_from_ids
 

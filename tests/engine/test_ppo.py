@@ -34,9 +34,19 @@ def test_recomputed_logprobs_match_the_sampler_and_first_ratio_is_one(trained):
     # The sampler's own distribution (logits / T) for the tokens it drew, from generate's scores.
     torch.manual_seed(3)
     ids = batch.input_ids[:, : batch.prompt_width]
-    out = policy.generate(input_ids=ids, attention_mask=batch.attention_mask[:, : batch.prompt_width], do_sample=True,
-                          temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=10, output_scores=True,
-                          return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    out = policy.generate(
+        input_ids=ids,
+        attention_mask=batch.attention_mask[:, : batch.prompt_width],
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=10,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     scores = torch.stack(out.scores, 1)  # [B, R, V]
     sampled = logprobs_from_logits(scores, batch.response_ids[:, : scores.shape[1]])
     mask = batch.response_mask[:, : scores.shape[1]]
@@ -61,32 +71,75 @@ def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tm
     cfg = build_config(small_config_tree(small_assets, tmp_path), "t")
     models = _models(trained, boom)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-    metrics = ppo_step(models, make_ppo_optimizers(models, cfg.ppo), make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1)
-    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_coef", "actor/grad_norm",
-                "critic/vf_loss", "critic/vf_explained_var", "critic/score/mean", "critic/advantages/mean",
-                "response_length/mean", "timing_s/gen", "timing_s/update_actor", "perf/throughput"):
+    metrics = ppo_step(
+        models, make_ppo_optimizers(models, cfg.ppo), make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1
+    )
+    for key in (
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_coef",
+        "actor/grad_norm",
+        "critic/vf_loss",
+        "critic/vf_explained_var",
+        "critic/score/mean",
+        "critic/advantages/mean",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "perf/throughput",
+    ):
         assert math.isfinite(metrics[key]), key
     calls = []
-    counting = ScoringModels(*[getattr(models.scoring, f) for f in ("reward_model", "score_norm", "reference", "sft")],
-                             gold=lambda p, r, **kw: calls.append(r) or 0.5)
+    counting = ScoringModels(
+        *[getattr(models.scoring, f) for f in ("reward_model", "score_norm", "reference", "sft")],
+        gold=lambda p, r, **kw: calls.append(r) or 0.5,
+    )
     few = type(prompts)(prompts.records[:8], prompts.token_ids[:8])
-    result, rows = evaluate_policy(models.actor, models.tokenizer, few, counting, SamplingParams(max_new_tokens=8), seed=0, n_samples=3)
+    result, rows = evaluate_policy(
+        models.actor, models.tokenizer, few, counting, SamplingParams(max_new_tokens=8), seed=0, n_samples=3
+    )
     assert len(calls) == 8 and result["eval/gold_score"] == pytest.approx(0.5) and len(rows) == 3
 
 
 def test_ppo_raises_reward_model_score(trained, small_assets, tmp_path):
     sft_dir, rm_dir, norm = trained
-    cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={
-        "steps": 8, "rollout_batch": 32, "mini_batch": 16, "epochs": 2, "actor_lr": 1e-3, "stop_kl": None,
-        "kl": {"init_coef": 0.01, "controller": "fixed"}}), "t")
+    cfg = build_config(
+        small_config_tree(
+            small_assets,
+            tmp_path,
+            ppo={
+                "steps": 8,
+                "rollout_batch": 32,
+                "mini_batch": 16,
+                "epochs": 2,
+                "actor_lr": 1e-3,
+                "stop_kl": None,
+                "kl": {"init_coef": 0.01, "controller": "fixed"},
+            },
+        ),
+        "t",
+    )
     sink = RecordingSink()
     inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
-    outcome = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink, every=4), inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, boom_free_gold)
+    outcome = run_ppo_stage(
+        make_ctx(tmp_path, "ppo", sink=sink, every=4),
+        inputs,
+        cfg.model,
+        cfg.ppo,
+        cfg.eval,
+        cfg.data,
+        cfg.checkpoint,
+        boom_free_gold,
+    )
     models = _models(trained, boom_free_gold)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.eval_prompts), 32, "truncate", "prompts")
     sampling = SamplingParams(max_new_tokens=cfg.ppo.max_new_tokens)
     before, _ = evaluate_policy(models.actor, models.tokenizer, prompts, models.scoring, sampling, seed=1)
-    after, _ = evaluate_policy(load_policy(f"{outcome.checkpoint_uri}/model"), models.tokenizer, prompts, models.scoring, sampling, seed=1)
+    after, _ = evaluate_policy(
+        load_policy(f"{outcome.checkpoint_uri}/model"), models.tokenizer, prompts, models.scoring, sampling, seed=1
+    )
     assert after["eval/rm_score"] - before["eval/rm_score"] >= 0.3
     assert [s for s, _ in sink.series("actor/pg_loss")] == list(range(1, 9))
     assert outcome.metrics["ppo/steps"] == 8
@@ -98,18 +151,29 @@ def boom_free_gold(prompt, response, **fields):
 
 def test_stop_kl_ends_the_round_early(trained, small_assets, tmp_path):
     sft_dir, rm_dir, norm = trained
-    cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={"steps": 6, "stop_kl": 1e-6, "actor_lr": 1e-3}), "t")
+    cfg = build_config(
+        small_config_tree(small_assets, tmp_path, ppo={"steps": 6, "stop_kl": 1e-6, "actor_lr": 1e-3}), "t"
+    )
     inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
-    outcome = run_ppo_stage(make_ctx(tmp_path, "ppo"), inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, boom_free_gold)
+    outcome = run_ppo_stage(
+        make_ctx(tmp_path, "ppo"), inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, boom_free_gold
+    )
     # Step 1 samples from the reference itself (KL 0); after one update the KL passes 1e-6.
     assert outcome.metrics["ppo/stopped_by_kl"] == 1.0 and outcome.metrics["ppo/steps"] == 2
 
 
 def test_keep_best_protects_the_best_evaluated_step_from_pruning(trained, small_assets, tmp_path):
     sft_dir, rm_dir, norm = trained
-    cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={"steps": 4, "stop_kl": None, "actor_lr": 1e-3},
-                                         eval={"every_steps": 1, "num_prompts": 16},
-                                         checkpoint={"keep_best": "eval/kl", "keep_best_mode": "min"}), "t")
+    cfg = build_config(
+        small_config_tree(
+            small_assets,
+            tmp_path,
+            ppo={"steps": 4, "stop_kl": None, "actor_lr": 1e-3},
+            eval={"every_steps": 1, "num_prompts": 16},
+            checkpoint={"keep_best": "eval/kl", "keep_best_mode": "min"},
+        ),
+        "t",
+    )
     sink = RecordingSink()
     ctx = dataclasses.replace(make_ctx(tmp_path, "ppo", sink=sink, every=100), keep_last=1)
     inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)

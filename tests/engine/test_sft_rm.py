@@ -34,8 +34,16 @@ class RecordingSink:
 
 
 def make_ctx(root, stage, identity="id-1", every=10, sink=None):
-    return StageContext(store=CheckpointStore(f"{root}/{stage}"), stage=stage, round_index=0, seed=0,
-                        identity=identity, identity_tree={"x": identity}, every_steps=every, sink=sink or RecordingSink())
+    return StageContext(
+        store=CheckpointStore(f"{root}/{stage}"),
+        stage=stage,
+        round_index=0,
+        seed=0,
+        identity=identity,
+        identity_tree={"x": identity},
+        every_steps=every,
+        sink=sink or RecordingSink(),
+    )
 
 
 def test_bradley_terry_loss_by_hand():
@@ -47,7 +55,12 @@ def test_bradley_terry_loss_by_hand():
 
 
 def test_sft_loss_falls_and_every_parameter_changes(small_assets, tmp_path):
-    cfg = build_config(small_config_tree(small_assets, tmp_path, sft={"max_steps": 30, "eval_every": 10, "log_every": 1, "patience": 10}), "t")
+    cfg = build_config(
+        small_config_tree(
+            small_assets, tmp_path, sft={"max_steps": 30, "eval_every": 10, "log_every": 1, "patience": 10}
+        ),
+        "t",
+    )
     sink = RecordingSink()
     ctx = make_ctx(tmp_path, "sft", sink=sink)
     outcome = run_sft_stage(ctx, cfg.model.path, cfg.model, cfg.sft, cfg.data)
@@ -58,7 +71,11 @@ def test_sft_loss_falls_and_every_parameter_changes(small_assets, tmp_path):
     assert evals[-1] < evals[0]
     before = load_policy(cfg.model.path).state_dict()
     after = load_policy(f"{outcome.checkpoint_uri}/model").state_dict()
-    unchanged = [k for k in before if torch.equal(before[k], after[k]) and before[k].dtype.is_floating_point and "rotary" not in k]
+    unchanged = [
+        k
+        for k in before
+        if torch.equal(before[k], after[k]) and before[k].dtype.is_floating_point and "rotary" not in k
+    ]
     assert unchanged == []
     assert ctx.store.final()["step"] == 30 and outcome.step == 30
     assert ctx.store.committed_steps() == [20, 30]  # keep_last=2 pruned step 10
@@ -70,14 +87,21 @@ def test_sft_loss_falls_and_every_parameter_changes(small_assets, tmp_path):
 
 
 def test_sft_resumes_from_latest_commit(small_assets, tmp_path):
-    cfg = build_config(small_config_tree(small_assets, tmp_path, sft={"max_steps": 12, "eval_every": 4, "log_every": 1, "patience": 10}), "t")
+    cfg = build_config(
+        small_config_tree(
+            small_assets, tmp_path, sft={"max_steps": 12, "eval_every": 4, "log_every": 1, "patience": 10}
+        ),
+        "t",
+    )
     ref = run_sft_stage(make_ctx(tmp_path / "a", "sft", every=4), cfg.model.path, cfg.model, cfg.sft, cfg.data)
     run_sft_stage(make_ctx(tmp_path / "b", "sft", every=4), cfg.model.path, cfg.model, cfg.sft, cfg.data)
     # As if killed right after committing step 8: the later step and the final marker are gone.
     shutil.rmtree(tmp_path / "b" / "sft" / "step_000012")
     (tmp_path / "b" / "sft" / "final.json").unlink()
     sink = RecordingSink()
-    resumed = run_sft_stage(make_ctx(tmp_path / "b", "sft", every=4, sink=sink), cfg.model.path, cfg.model, cfg.sft, cfg.data)
+    resumed = run_sft_stage(
+        make_ctx(tmp_path / "b", "sft", every=4, sink=sink), cfg.model.path, cfg.model, cfg.sft, cfg.data
+    )
     assert resumed.resumed_from == 8 and [s for s, _ in sink.series("sft/loss")] == [9, 10, 11, 12]
     a = load_policy(f"{ref.checkpoint_uri}/model").state_dict()
     b = load_policy(f"{resumed.checkpoint_uri}/model").state_dict()
@@ -97,17 +121,28 @@ def test_reward_model_learns_preferences(trained, small_assets, tmp_path):
     assert outcome.metrics["rm/score_std"] > 0
     before = load_scalar_model(sft_dir).state_dict()
     after = load_scalar_model(f"{outcome.checkpoint_uri}/model").state_dict()
-    unchanged = [k for k in after if k in before and torch.equal(before[k], after[k]) and after[k].dtype.is_floating_point]
+    unchanged = [
+        k for k in after if k in before and torch.equal(before[k], after[k]) and after[k].dtype.is_floating_point
+    ]
     assert unchanged == []
 
 
 def test_sft_checkpoints_through_s3_and_resumes_from_there(small_assets, s3_bucket, tmp_path):
     url, options = s3_bucket
-    cfg = build_config(small_config_tree(small_assets, tmp_path, sft={"max_steps": 4, "eval_every": 2, "patience": 10}), "t")
+    cfg = build_config(
+        small_config_tree(small_assets, tmp_path, sft={"max_steps": 4, "eval_every": 2, "patience": 10}), "t"
+    )
 
     def ctx():
-        return StageContext(store=CheckpointStore(f"{url}/run/round_0/sft", options), stage="sft", round_index=0,
-                            seed=0, identity="s3", identity_tree={}, every_steps=2)
+        return StageContext(
+            store=CheckpointStore(f"{url}/run/round_0/sft", options),
+            stage="sft",
+            round_index=0,
+            seed=0,
+            identity="s3",
+            identity_tree={},
+            every_steps=2,
+        )
 
     first = ctx()
     outcome = run_sft_stage(first, cfg.model.path, cfg.model, cfg.sft, cfg.data)

@@ -36,10 +36,24 @@ CASES = {
     "unknown key": (lambda t, w: (w(), "ppo.stepz=3"), r"unknown key 'ppo.stepz' in ppo; valid keys: .*steps"),
     "wrong type": (lambda t, w: (w(), "ppo.steps=many"), r"invalid value for 'ppo.steps': 'many'"),
     "missing data file": (lambda t, w: (w(data={"sft": str(t / "nope.jsonl")}),), r"data file not found: .*nope.jsonl"),
-    "malformed jsonl": (lambda t, w: (w(data={"prompts": data_file(t, "p.jsonl", '{"prompt": "a"}\n{"prompt": \n')}),), r"p.jsonl:2: .*JSON"),
-    "missing field": (lambda t, w: (w(data={"preferences": data_file(t, "pr.jsonl", json.dumps({"prompt": "a", "chosen": "b"}) + "\n")}),), r"pr.jsonl:1: missing field 'rejected'"),
-    "empty dataset": (lambda t, w: (w(data={"eval_prompts": data_file(t, "e.jsonl", "\n")}),), r"e.jsonl contains no records"),
-    "missing model": (lambda t, w: (w(model={"path": str(t / "no-model")}),), r"model.path .*no-model.* does not exist"),
+    "malformed jsonl": (
+        lambda t, w: (w(data={"prompts": data_file(t, "p.jsonl", '{"prompt": "a"}\n{"prompt": \n')}),),
+        r"p.jsonl:2: .*JSON",
+    ),
+    "missing field": (
+        lambda t, w: (
+            w(data={"preferences": data_file(t, "pr.jsonl", json.dumps({"prompt": "a", "chosen": "b"}) + "\n")}),
+        ),
+        r"pr.jsonl:1: missing field 'rejected'",
+    ),
+    "empty dataset": (
+        lambda t, w: (w(data={"eval_prompts": data_file(t, "e.jsonl", "\n")}),),
+        r"e.jsonl contains no records",
+    ),
+    "missing model": (
+        lambda t, w: (w(model={"path": str(t / "no-model")}),),
+        r"model.path .*no-model.* does not exist",
+    ),
     "unsafe run name": (lambda t, w: (w(), "run.name=../../etc"), r"not safe for a path"),
     "missing config": (lambda t, w: (str(t / "absent.yaml"),), r"config file not found"),
 }

@@ -2,15 +2,12 @@
 the run tree and Prefect's task runs are checked, and a SIGKILLed run continues where it stopped."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -49,7 +46,11 @@ def mlflow_runs(root, uri=None):
     experiment = client.get_experiment_by_name("rlflow")
     runs = client.search_runs([experiment.experiment_id], max_results=500)
     parents = [r for r in runs if r.data.tags.get("rlflow.kind") == "parent"]
-    children = {(r.data.tags["rlflow.round"], r.data.tags["rlflow.stage"]): r for r in runs if r.data.tags.get("rlflow.kind") == "child"}
+    children = {
+        (r.data.tags["rlflow.round"], r.data.tags["rlflow.stage"]): r
+        for r in runs
+        if r.data.tags.get("rlflow.kind") == "child"
+    }
     return client, parents, children
 
 
@@ -63,14 +64,21 @@ def prefect_task_runs(api_url, run_name):
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
         flow_runs = sorted(flow_runs, key=lambda r: r.created)
-        tasks = [sorted(client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]})), key=lambda t: t.created) for fr in flow_runs]
+        tasks = [
+            sorted(client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]})), key=lambda t: t.created)
+            for fr in flow_runs
+        ]
     return flow_runs, tasks
 
 
 def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     root = tmp_path / "runs"
     secret = "S3CR3T-VALUE-42"  # storage options are secret: never in logs, MLflow or Prefect
-    tree = small_config_tree(small_assets, root, run={"name": "e2e", "rounds": 2, "storage_options": {"auto_mkdir": True, "secret_marker": secret}})
+    tree = small_config_tree(
+        small_assets,
+        root,
+        run={"name": "e2e", "rounds": 2, "storage_options": {"auto_mkdir": True, "secret_marker": secret}},
+    )
     config = write_config(tmp_path / "c.yaml", tree)
     first = finish(cli(config, "run.rounds=1"))
     assert "[round 0 ppo] step 3/3" in first and secret not in first
@@ -82,14 +90,32 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     summary = json.loads((root / "e2e" / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
     for row in summary["rounds"]:
-        assert set(row) >= {"rm_accuracy", "gold_score_before", "gold_score_after", "gold_score_stderr", "kl", "response_length", "distinct_2", "seconds"}
+        assert set(row) >= {
+            "rm_accuracy",
+            "gold_score_before",
+            "gold_score_after",
+            "gold_score_stderr",
+            "kl",
+            "response_length",
+            "distinct_2",
+            "seconds",
+        }
         assert 0 <= row["gold_score_after"] <= 1
     assert (root / "e2e" / "round_0" / "ppo" / "step_000003" / "manifest.json").exists()
     assert json.loads((root / "e2e" / "round_1" / "ppo" / "final.json").read_text())["step"] == 3
 
     client, parents, children = mlflow_runs(root)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    assert set(children) == {("0", "sft"), ("0", "rm"), ("0", "ppo"), ("0", "eval"), ("1", "label"), ("1", "rm"), ("1", "ppo"), ("1", "eval")}
+    assert set(children) == {
+        ("0", "sft"),
+        ("0", "rm"),
+        ("0", "ppo"),
+        ("0", "eval"),
+        ("1", "label"),
+        ("1", "rm"),
+        ("1", "ppo"),
+        ("1", "eval"),
+    }
     for child in children.values():
         assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
         assert child.info.status == "FINISHED"
@@ -107,9 +133,12 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
     assert [fr.state.type.value for fr in flow_runs] == ["COMPLETED", "COMPLETED"]
     assert all(secret not in json.dumps(fr.parameters, default=str) for fr in flow_runs)
-    assert [(t.name, t.state.name) for t in tasks[0]] == [(f"round-0-{s}", "Completed") for s in ("sft", "rm", "ppo", "eval")]
-    assert [(t.name, t.state.name) for t in tasks[1]] == [(f"round-0-{s}", "Cached") for s in ("sft", "rm", "ppo", "eval")] + [
-        (f"round-1-{s}", "Completed") for s in ("label", "rm", "ppo", "eval")]
+    assert [(t.name, t.state.name) for t in tasks[0]] == [
+        (f"round-0-{s}", "Completed") for s in ("sft", "rm", "ppo", "eval")
+    ]
+    assert [(t.name, t.state.name) for t in tasks[1]] == [
+        (f"round-0-{s}", "Cached") for s in ("sft", "rm", "ppo", "eval")
+    ] + [(f"round-1-{s}", "Completed") for s in ("label", "rm", "ppo", "eval")]
 
     # Same command again after the last stage's checkpoints were deleted by hand: every other
     # stage comes from Prefect's cache, the deleted one is not trusted to the cache and runs again.
@@ -140,7 +169,9 @@ def _artifact_path(run, name):
 def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_assets, tmp_path):
     root = tmp_path / "runs"
     steps = 40  # long enough that the run is still in PPO when the second process has been refused
-    tree = small_config_tree(small_assets, root, run={"name": "kill"}, ppo={"steps": steps}, checkpoint={"every_steps": 2, "keep_last": 3})
+    tree = small_config_tree(
+        small_assets, root, run={"name": "kill"}, ppo={"steps": steps}, checkpoint={"every_steps": 2, "keep_last": 3}
+    )
     config = write_config(tmp_path / "c.yaml", tree)
     proc = cli(config)
     wait_for(root / "kill" / "round_0" / "sft" / "step_000002" / "manifest.json", proc)  # the flow holds the lock
@@ -178,8 +209,13 @@ def test_one_round_with_checkpoints_on_s3(prefect_server, s3_bucket, small_asset
     import s3fs
 
     url, options = s3_bucket
-    tree = small_config_tree(small_assets, f"{url}/runs", run={"name": "s3run", "storage_options": options},
-                             tracking={"uri": f"sqlite:///{tmp_path}/mlflow.db"}, ppo={"steps": 2})
+    tree = small_config_tree(
+        small_assets,
+        f"{url}/runs",
+        run={"name": "s3run", "storage_options": options},
+        tracking={"uri": f"sqlite:///{tmp_path}/mlflow.db"},
+        ppo={"steps": 2},
+    )
     out = finish(cli(write_config(tmp_path / "c.yaml", tree)))
     assert f"final policy: {url}/runs/s3run/round_0/ppo/step_000002" in out
     fs = s3fs.S3FileSystem(**options)
@@ -193,4 +229,3 @@ def test_one_round_with_checkpoints_on_s3(prefect_server, s3_bucket, small_asset
     _, parents, children = mlflow_runs(None, uri=f"sqlite:///{tmp_path}/mlflow.db")
     assert set(children) == {("0", "sft"), ("0", "rm"), ("0", "ppo"), ("0", "eval")}
     assert parents[0].data.params["run.storage_options"] == "***"
-

@@ -4,8 +4,16 @@ from rlflow.tasks.stages import STEP_URI, StageResult, model_location
 
 
 def test_stage_result_round_trips_through_prefects_json_serializer():
-    result = StageResult(stage="ppo", round_index=1, step=30, checkpoint_uri="s3://b/run/round_1/ppo/step_000030",
-                         manifest_sha256="ab" * 32, metrics={"actor/kl": 0.12}, mlflow_run_id="r1", resumed_from=20)
+    result = StageResult(
+        stage="ppo",
+        round_index=1,
+        step=30,
+        checkpoint_uri="s3://b/run/round_1/ppo/step_000030",
+        manifest_sha256="ab" * 32,
+        metrics={"actor/kl": 0.12},
+        mlflow_run_id="r1",
+        resumed_from=20,
+    )
     data = JSONSerializer().dumps(result)
     assert b"pickle" not in data and b"step_000030" in data
     assert JSONSerializer().loads(data) == result
