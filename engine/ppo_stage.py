@@ -98,6 +98,11 @@ def run_ppo_stage(
         meta = restore_training_state(ctx, resume, optimizers, {})
         controller.load_state_dict(meta["kl_controller"])
         step, state = resume, meta["ppo_state"]
+
+    def evaluate():  # same prompts and seed at every evaluation, so steps compare fairly
+        seed = step_seed(ctx.seed, ctx.round_index, 7)
+        return run_evaluation(models, eval_prompts, cfg, seed, eval_cfg.batch_size, eval_cfg.num_logged_samples)
+
     started, metrics = time.monotonic(), {}
     while step < cfg.steps and not state["stopped_by_kl"]:
         step += 1
@@ -107,14 +112,7 @@ def run_ppo_stage(
         metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
         last = step >= cfg.steps or state["stopped_by_kl"]
         if step % eval_cfg.every_steps == 0 or last:
-            eval_metrics, samples = run_evaluation(
-                models,
-                eval_prompts,
-                cfg,
-                step_seed(ctx.seed, ctx.round_index, 7),
-                eval_cfg.batch_size,
-                eval_cfg.num_logged_samples,
-            )
+            eval_metrics, samples = evaluate()
             metrics.update(eval_metrics)
             _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
             if last:
@@ -137,14 +135,7 @@ def run_ppo_stage(
                 protect={state["best_step"]} if state["best_step"] else set(),
             )
     if "eval/gold_score" not in metrics:  # resumed exactly at the last step: evaluate its policy
-        eval_metrics, samples = run_evaluation(
-            models,
-            eval_prompts,
-            cfg,
-            step_seed(ctx.seed, ctx.round_index, 7),
-            eval_cfg.batch_size,
-            eval_cfg.num_logged_samples,
-        )
+        eval_metrics, samples = evaluate()
         metrics.update(eval_metrics)
         ctx.sink.log_table("eval_samples.json", samples)
     keep = ("critic/score/mean", "actor/kl", "eval/gold_score", "eval/rm_score", "eval/kl", "response_length/mean")

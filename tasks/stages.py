@@ -193,6 +193,11 @@ def rm_task(config: Config, spec: StageSpec, init_uri: str, label_uris: list[str
     )
 
 
+def score_norm_of(rm: StageResult) -> tuple[float, float]:
+    """The reward model's (mean, std) on its fixed reference set, recorded by its stage."""
+    return rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]
+
+
 @task(name="ppo", **STAGE_TASK)
 def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
     so = config.run.storage_options
@@ -201,7 +206,7 @@ def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageR
         reference=model_location(inputs["reference"], so),
         sft=model_location(inputs["sft"], so),
         reward_model=model_location(rm.checkpoint_uri, so),
-        score_norm=(rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]),
+        score_norm=score_norm_of(rm),
         critic=model_location(rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"], so),
     )
     gold = load_function(config.gold.fn, "gold.fn")
@@ -224,7 +229,7 @@ def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: Stage
         reference=model_location(inputs["reference"], so),
         sft=model_location(inputs["sft"], so),
         reward_model=model_location(rm.checkpoint_uri, so),
-        score_norm=(rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]),
+        score_norm=score_norm_of(rm),
     )
     gold = load_function(config.gold.fn, "gold.fn")
     return _run_tracked(
