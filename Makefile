@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,deepspeed]"
+	@# DeepSpeed JIT-compiles its CPU communication op on first use (~40 s): pay it here, once.
+	OMP_NUM_THREADS=1 $(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
 demo: install
@@ -29,3 +31,14 @@ test: install
 
 clean:
 	rm -rf runs .rlflow demo_assets
+
+# The vLLM rollout worker's own environment (rollout.server_backend: vllm; GPU machines only,
+# several GB). vLLM's pins conflict with Prefect's (MACHINE-NOTES), so it never enters $(VENV).
+# torch is pinned first, as above; the project goes in without deps so the worker module imports.
+.PHONY: vllm-env
+vllm-env:
+	python3 -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -r requirements-vllm.txt
+	.venv-vllm/bin/pip install --no-deps -e .

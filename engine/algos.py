@@ -15,26 +15,26 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 
 __all__ = [
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
-    "KL_CONTROLLERS",
-    "masked_sum",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate_loss",
+    "compute_gae_advantages",
+    "compute_token_rewards",
+    "distinct_n",
+    "entropy_from_logits",
+    "explained_variance",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "make_kl_controller",
     "masked_mean",
+    "masked_sum",
     "masked_var",
     "masked_whiten",
-    "compute_gae_advantages",
-    "kl_penalty",
-    "compute_token_rewards",
     "ppo_policy_loss",
     "value_loss",
-    "aggregate_loss",
-    "entropy_from_logits",
-    "logprobs_from_logits",
-    "explained_variance",
-    "distinct_n",
-    "FixedKLController",
-    "AdaptiveKLController",
-    "make_kl_controller",
 ]
 
 # exp(20) ~ 4.9e8 is far beyond any ratio PPO can use, yet exp of it stays finite in fp32.
@@ -294,7 +294,7 @@ def aggregate_loss(
     per_token: torch.Tensor,
     mask: torch.Tensor,
     mode: str,
-    num_tokens: int | float | torch.Tensor | None = None,
+    num_tokens: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to a 0-dim tensor over masked tokens.
 
@@ -315,6 +315,22 @@ def aggregate_loss(
         if not isinstance(num_tokens, torch.Tensor) and num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     return aggregation(per_token, mask, num_tokens)
+
+
+def loss_sum_and_units(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, float]:
+    """A micro-batch's share of an aggregated loss: (sum, units) with aggregate = sum / units.
+
+    per_token, mask: [B, T]. Summing the sums of all micro-batches and ranks and dividing by their
+    summed units gives ``aggregate_loss`` of the whole batch: units are masked tokens for
+    "token-mean", rows for the "seq-mean-*" modes.
+    """
+    _pick(LOSS_AGGREGATIONS, mode, "loss aggregation mode")
+    if mode == "token-mean":
+        return masked_sum(per_token, mask), float(mask.bool().sum())
+    per_row = (
+        masked_sum(per_token, mask, dim=-1) if mode == "seq-mean-token-sum" else masked_mean(per_token, mask, dim=-1)
+    )
+    return per_row.sum(), float(per_token.shape[0])
 
 
 # --------------------------------------------------------------------------- logits, metrics

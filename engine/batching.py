@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-
 from rlflow.engine.data import format_prompt
 from rlflow.engine.train_state import step_seed
 
@@ -70,3 +70,32 @@ def batch_indices(n_items: int, batch_size: int, step: int, *seed_parts: int) ->
         perm = torch.randperm(n_items, generator=generator).tolist()
         out.extend(perm[offset : offset + batch_size - len(out)])
     return out
+
+
+def rank_shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """This rank's share of a global batch: every world_size-th item, starting at its rank."""
+    return list(indices[rank::world_size])
+
+
+def micro_batch_groups(lengths: Sequence[int], max_rows: int | None, max_tokens: int | None) -> list[list[int]]:
+    """Cut positions 0..n-1 into micro-batches.
+
+    max_tokens: dynamic batch size; rows sorted by length are packed while the micro-batch's
+    padded size (rows x longest row) stays within the budget (a longer row goes alone), so short
+    rows travel many to a pass and long ones few. max_rows caps rows per micro-batch either way;
+    neither set: one micro-batch holding everything.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if max_tokens else list(range(len(lengths)))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        widest = max([lengths[j] for j in current] + [lengths[i]])
+        too_many = max_rows is not None and len(current) >= max_rows
+        too_big = max_tokens is not None and widest * (len(current) + 1) > max_tokens
+        if current and (too_many or too_big):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups

@@ -18,16 +18,17 @@ import re
 import shutil
 import socket
 import uuid
-from typing import Any, BinaryIO, Callable
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-
 from rlflow.engine.errors import CheckpointError
 
 MANIFEST, FINAL, LOCK = "manifest.json", "final.json", ".lock"
 _CHUNK = 8 * 1024 * 1024
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
+STEP_URI = re.compile(r"^(?P<prefix>.+)/step_(?P<step>\d{6})/?$")  # a committed step's URL
 
 
 def stage_prefix(root: str, run: str, round_index: int, stage: str) -> str:
@@ -170,6 +171,11 @@ class StepWriter:
     def write_json(self, name: str, obj: Any) -> None:
         self.write_bytes(name, _json_bytes(obj))
 
+    def adopt(self, name: str, record: dict[str, Any]) -> None:
+        """Count a file another process wrote into this step (``CheckpointStore.put_shard``)."""
+        self._require_open()
+        self._record(_check_name(name), int(record["size"]), str(record["sha256"]))
+
     def put_dir(self, local_dir: str, prefix: str = "") -> list[str]:
         """Upload every file under ``local_dir`` (recursively) as ``{prefix}/{relpath}``."""
         if not os.path.isdir(local_dir):
@@ -282,6 +288,16 @@ class CheckpointStore:
         if name not in files:
             raise CheckpointError(f"{self.step_url(step)} has no file {name!r} in its manifest")
         return files[name]
+
+    def put_shard(self, step: int, name: str, data: bytes) -> dict[str, Any]:
+        """Write one file of an open step from another rank; return the record the committing
+        rank adopts into the manifest. Uncommitted until that manifest exists, like any file."""
+        path = self._step_path(step, _check_name(name))
+        if self._local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with _HashingFile(self._fs.open(path, "wb"), name, lambda *_: None, fsync=self._local) as f:
+            f.write(data)
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def committed_steps(self) -> list[int]:
         return [n for n in self._step_dirs() if self._load_manifest(n) is not None]
@@ -511,3 +527,12 @@ class RunLock:
             holder = self._read()
             if holder is not None and self._is_ours(holder):
                 self._fs.rm(self._path)
+
+
+def model_location(uri_or_path: str, storage_options: dict[str, Any], prefix: str = "model") -> str:
+    """A committed step URI -> a local dir with its model; anything else is a model path as is."""
+    match = STEP_URI.match(uri_or_path)
+    if not match:
+        return uri_or_path
+    store = CheckpointStore(match["prefix"], storage_options)
+    return f"{store.local_dir(int(match['step']))}/{prefix}"

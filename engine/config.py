@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rlflow.engine.errors import ConfigError
 
 # Whole key names (or their last "_" part): "hf_token" is secret, "max_new_tokens" is not.
 SECRET_KEY_PATTERN = re.compile(
-    r"^(.*_)?(secret|token|password|passwd|credentials?|access_key|secret_key|api_key|auth|storage_options)$", re.I
+    r"^(.*_)?(secret|token|password|passwd|credentials?|access_key|secret_key|api_key|auth|storage_options)$",
+    re.IGNORECASE,
 )
 REDACTED = "***"
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -53,6 +53,8 @@ class ModelConfig(Section):
     path: str = "demo_assets/tiny-model"  # local HF directory or hub id
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # flash_attention_2 falls back to sdpa with a warning when the flash-attn package is missing.
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
 
 
 class DataConfig(Section):
@@ -70,8 +72,7 @@ class DataConfig(Section):
 class SFTConfig(Section):
     rounds: list[int] = Field(default_factory=lambda: [0])  # rounds that start with SFT
     max_steps: int = Field(400, ge=1)
-    batch_size: int = Field(32, ge=1)
-    grad_accum: int = Field(1, ge=1)
+    batch_size: int = Field(32, ge=1)  # sequences per optimizer step, over all ranks and micro-batches
     lr: float = Field(2e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(20, ge=0)
@@ -158,6 +159,9 @@ class LabelConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
+    # Every n-th checkpoint (and a stage's last) also holds whole HF model directories; the others
+    # hold only per-rank optimizer shards with fp32 master weights (a 70B policy is 140 GB each time).
+    consolidate_every: int = Field(5, ge=1)
     keep_best: str | None = None  # e.g. "eval/rm_score": the best evaluated step is never pruned
     keep_best_mode: Literal["max", "min"] = "max"  # "min" for losses and KL
 
@@ -165,6 +169,64 @@ class CheckpointConfig(Section):
 class TrackingConfig(Section):
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///{root}/mlflow.db
     experiment: str = "rlflow"
+
+
+class EngineConfig(Section):
+    """How every stage trains: one process (torch) or a DeepSpeed ZeRO job, and how batches are cut."""
+
+    backend: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: Literal[0, 1, 2, 3] = 2  # deepspeed only
+    offload_optimizer: bool = False  # ZeRO optimizer state in CPU memory
+    offload_params: bool = False  # ZeRO-3 parameters in CPU memory
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    micro_batch_size: int | None = Field(None, ge=1)  # rows per forward pass per rank; None: all at once
+    # Padding-free dynamic batching: micro-batches hold at most this many real tokens per rank.
+    max_tokens_per_microbatch: int | None = Field(None, ge=8)
+    gradient_checkpointing: bool = False
+    offload_frozen_models: bool = False  # reference and reward models wait in CPU memory between phases
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"engine.offload_params needs engine.zero_stage=3 (got {self.zero_stage})")
+        return self
+
+
+class ResourcesConfig(Section):
+    """Where a stage runs: processes per node and nodes (deepspeed backend only above one process)."""
+
+    nproc_per_node: int = Field(1, ge=1, le=64)
+    nnodes: int = Field(1, ge=1, le=1024)
+    node_rank: int = Field(0, ge=0)  # this machine's rank when each node runs its own launcher
+    hostfile: str | None = None  # DeepSpeed/MPI style "host slots=N" lines (launcher deepspeed)
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = Field(None, ge=1, le=65535)  # None: a free port
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class RolloutConfig(Section):
+    """Where responses are sampled, and how the sampler's weights are kept in step with training."""
+
+    mode: Literal["colocated", "server"] = "colocated"
+    server_backend: Literal["hf", "vllm"] = "hf"
+    generate_batch: int = Field(32, ge=1)  # prompts sampled together under one seed (world-size independent)
+    bucket_mb: int = Field(256, ge=1)  # weight-sync bucket size
+    check_fingerprint: bool = True
+    probe_rows: int = Field(4, ge=1)  # worker samples whose log-probs the trainer recomputes after a sync
+    max_logprob_diff: float = Field(1e-3, gt=0)  # nats per token; above it the run stops
+    vllm_python: str = ".venv-vllm/bin/python"  # interpreter of the separate vLLM environment
+    startup_timeout_s: float = Field(300.0, gt=0)
+
+
+class PlacementConfig(Section):
+    """GPU indices per role; None everywhere: all roles colocated on all visible GPUs."""
+
+    train: list[int] | None = None
+    rollout: list[int] | None = None
 
 
 class Config(Section):
@@ -179,6 +241,19 @@ class Config(Section):
     gold: FunctionRef = Field(default_factory=lambda: FunctionRef(fn="rlflow.engine.demo_task:gold_score"))
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="after")
+    def _one_process_unless_deepspeed(self) -> Config:
+        if self.resources.world_size > 1 and self.engine.backend != "deepspeed":
+            raise ValueError(
+                f"resources.nproc_per_node={self.resources.nproc_per_node} x resources.nnodes={self.resources.nnodes}"
+                " needs engine.backend=deepspeed (the torch backend runs one process)"
+            )
+        return self
 
 
 def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -201,6 +276,8 @@ def _format_error(error: dict[str, Any], source: str) -> str:
         where = ".".join(str(p) for p in loc[:-1]) or "top level"
         return f"{source}: unknown key '{key}' in {where}; valid keys: {valid}"
     message = error["msg"].removeprefix("Value error, ")
+    if isinstance(error.get("input"), dict):  # a check across keys of a section: its message names them
+        return f"{source}: {message}"
     return f"{source}: invalid value for '{key}': {error.get('input')!r} ({message})"
 
 

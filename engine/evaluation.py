@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-
+from rlflow.engine import dist
 from rlflow.engine.algos import distinct_n, kl_penalty, masked_mean
 from rlflow.engine.data import PromptRecord, encode_prompts, format_prompt
 from rlflow.engine.errors import DataError
@@ -48,10 +49,10 @@ def encode_prompt_set(
 
 
 def normalised_scores(
-    reward_model: torch.nn.Module, batch: RolloutBatch, score_norm: tuple[float, float]
+    reward_model: torch.nn.Module, batch: RolloutBatch, score_norm: tuple[float, float], chunk: int = 64
 ) -> torch.Tensor:
     mean, std = score_norm
-    return (batched_scores(reward_model, batch) - mean) / std
+    return (batched_scores(reward_model, batch, chunk) - mean) / std
 
 
 @torch.no_grad()
@@ -64,26 +65,37 @@ def evaluate_policy(
     seed: int,
     batch_size: int = 128,
     n_samples: int = 12,
+    generate_kwargs: dict[str, Any] | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Sample one answer per prompt and measure it. Returns (metrics, sample rows).
+
+    Prompts go in chunks of `batch_size`, each seeded from (seed, its start) and spread over the
+    ranks, so the answers are the same for any number of processes.
 
     Metrics: eval/gold_score (+ _stderr and eval/gold/<component>), eval/rm_score, eval/kl and
     eval/kl_to_sft (token-mean k3 estimate on the sampled tokens), eval/response_length (tokens),
     eval/distinct_2 (pooled over all answers' words), eval/valid_fraction.
     """
     texts: list[str] = []
-    rm, kl_ref, kl_sft, lengths = [], [], [], []
-    for start in range(0, len(prompts.token_ids), batch_size):
+    per_row: list[torch.Tensor] = []  # [b, 4] per chunk: rm score, kl to reference, kl to sft, length
+    for c, real in dist.rank_chunks(len(prompts.token_ids), batch_size):
+        start = c * batch_size
         chunk = prompts.token_ids[start : start + batch_size]
-        batch = generate_rollouts(policy, tokenizer, chunk, sampling, seed + start)
-        logprobs = batched_logprobs(policy, batch, sampling.temperature)
+        batch = generate_rollouts(policy, tokenizer, chunk, sampling, seed + start, **(generate_kwargs or {}))
+        rows = len(chunk)
+        logprobs = batched_logprobs(policy, batch, sampling.temperature, chunk=rows)
         mask = batch.response_mask
-        for anchor, out in ((models.reference, kl_ref), (models.sft, kl_sft)):
-            anchor_lp = batched_logprobs(anchor, batch, sampling.temperature)
-            out.append(masked_mean(kl_penalty(logprobs, anchor_lp, "k3"), mask, dim=1))
-        rm.append(normalised_scores(models.reward_model, batch, models.score_norm))
-        lengths.append(mask.sum(1))
-        texts.extend(batch.response_texts)
+        columns = [normalised_scores(models.reward_model, batch, models.score_norm, rows)]
+        for anchor in (models.reference, models.sft):
+            anchor_lp = batched_logprobs(anchor, batch, sampling.temperature, chunk=rows)
+            columns.append(masked_mean(kl_penalty(logprobs, anchor_lp, "k3"), mask, dim=1))
+        if real:
+            per_row.append(torch.stack(columns + [mask.sum(1)], 1))
+            texts.extend(batch.response_texts)
+    n_prompts = len(prompts.token_ids)
+    table = dist.gather_chunked(torch.cat(per_row), n_prompts, batch_size, 0.0)
+    texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
+    rm, kl_ref, kl_sft, lengths = ([table[:, i]] for i in range(4))
     records = prompts.records
     gold = score_answers(models.gold, [r.prompt for r in records], texts, [r.fields for r in records])
     n = len(gold.scores)

@@ -5,6 +5,7 @@ The MLflow implementation lives in rlflow.tasks.tracking; the console one is her
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -70,3 +71,41 @@ def _short(value: float) -> str:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return str(value)
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+EVENT_PREFIX = "@@rlflow-event "  # a line a worker rank prints for the task to replay into its sink
+
+
+class EventSink(NullSink):
+    """A distributed stage's rank 0 reports through its output stream: one JSON line per call,
+    replayed by the launching task into the real sinks (console, MLflow) with `replay_event`."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream or sys.stdout
+
+    def _emit(self, kind: str, **payload: Any) -> None:
+        self.stream.write(EVENT_PREFIX + json.dumps({"kind": kind, **payload}, allow_nan=True) + "\n")
+        self.stream.flush()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._emit("metrics", step=step, metrics={k: float(v) for k, v in metrics.items()})
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        self._emit("table", name=name, rows=rows)
+
+    def log_text(self, name: str, text: str) -> None:
+        self._emit("text", name=name, text=text)
+
+
+def replay_event(line: str, sink: MetricsSink) -> bool:
+    """If `line` is an EventSink line, hand its call to `sink` and return True."""
+    if not line.startswith(EVENT_PREFIX):
+        return False
+    event = json.loads(line[len(EVENT_PREFIX) :])
+    if event["kind"] == "metrics":
+        sink.log_metrics(event["metrics"], event["step"])
+    elif event["kind"] == "table":
+        sink.log_table(event["name"], event["rows"])
+    elif event["kind"] == "text":
+        sink.log_text(event["name"], event["text"])
+    return True

@@ -10,14 +10,15 @@ import hashlib
 import os
 import re
 import tempfile
+import types
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from rlflow.engine.algos import entropy_from_logits, logprobs_from_logits
 from rlflow.engine.errors import ConfigError
+from torch import nn
 
 try:  # progress bars per checkpoint drown the per-step progress lines
     from transformers.utils import logging as _hf_logging
@@ -78,14 +79,60 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def load_policy(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "model.path"):
+def model_kwargs(cfg: Any) -> dict[str, Any]:
+    """load_policy / load_scalar_model keyword arguments from a ModelConfig."""
+    return {
+        "dtype": cfg.dtype,
+        "trust_remote_code": cfg.trust_remote_code,
+        "attn_implementation": cfg.attn_implementation,
+    }
+
+
+def resolve_attn_implementation(requested: str) -> str:
+    """flash_attention_2 needs the optional flash-attn package and a GPU; without them, sdpa
+    (which uses flash kernels on GPU anyway) with a warning instead of a failure at load."""
+    if requested != "flash_attention_2":
+        return requested
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available():
+        why = "the flash-attn package is not installed" if torch.cuda.is_available() else "no GPU is visible"
+        warnings.warn(
+            f"model.attn_implementation=flash_attention_2 but {why}; using sdpa "
+            "(install the 'flash-attn' extra on a CUDA machine to use it)",
+            stacklevel=2,
+        )
+        return "sdpa"
+    return requested
+
+
+def load_policy(
+    path: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    key: str = "model.path",
+    attn_implementation: str = "sdpa",
+):
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(AutoModelForCausalLM, path, key, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    model = _from_pretrained(
+        AutoModelForCausalLM,
+        path,
+        key,
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
+        attn_implementation=resolve_attn_implementation(attn_implementation),
+    )
     return disable_dropout(model)
 
 
-def load_scalar_model(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "rm.init"):
+def load_scalar_model(
+    path: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    key: str = "rm.init",
+    attn_implementation: str = "sdpa",
+):
     """A one-output `AutoModelForSequenceClassification` (reward model or critic).
 
     Loading a causal-LM directory gives a freshly initialised head; it is zeroed so a new critic
@@ -101,6 +148,7 @@ def load_scalar_model(path: str, dtype: str = "float32", trust_remote_code: bool
         num_labels=1,
         dtype=DTYPES[dtype],
         trust_remote_code=trust_remote_code,
+        attn_implementation=resolve_attn_implementation(attn_implementation),
     )
     head = scalar_head(model)
     head_names = {name for name, p in model.named_parameters() if any(p is q for q in head.parameters())}
@@ -108,6 +156,10 @@ def load_scalar_model(path: str, dtype: str = "float32", trust_remote_code: bool
         with torch.no_grad():
             for param in head.parameters():
                 param.zero_()
+    # Its forward returns per-token values [B, T]: critic and reward model both need them, and a
+    # DeepSpeed engine must run every training forward through the module's own forward (it
+    # counts micro-steps there; a backbone called from outside would overwrite accumulated grads).
+    model.forward = types.MethodType(_per_token_values, model)
     return disable_dropout(model)
 
 
@@ -149,20 +201,20 @@ def token_logprobs(
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
 
-def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    backbone = getattr(model, model.base_model_prefix)
-    out = backbone(
+def _per_token_values(self: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any) -> torch.Tensor:
+    backbone = getattr(self, self.base_model_prefix)
+    hidden = backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
-    )
-    return out.last_hidden_state
+    ).last_hidden_state
+    return scalar_head(self)(hidden).squeeze(-1).float()
 
 
 def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-token scalar head outputs [B, T] (the critic: GAE needs a value at every token)."""
-    return scalar_head(model)(_hidden_states(model, input_ids, attention_mask)).squeeze(-1).float()
+    return model(input_ids=input_ids, attention_mask=attention_mask)
 
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -176,10 +228,14 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     return values.gather(1, last[:, None]).squeeze(1)
 
 
-def save_model_dir(model: nn.Module, tokenizer: Any, writer: Any, prefix: str = "model") -> None:
-    """save_pretrained (safetensors) into a temp dir, then through the checkpoint writer."""
+def save_model_dir(
+    model: nn.Module, tokenizer: Any, writer: Any, prefix: str = "model", state_dict: dict | None = None
+) -> None:
+    """save_pretrained (safetensors) into a temp dir, then through the checkpoint writer.
+
+    `state_dict` replaces the model's own tensors (the gathered weights of a ZeRO-3 model)."""
     with tempfile.TemporaryDirectory(prefix="rlflow-save-") as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         writer.put_dir(tmp, prefix=f"{prefix}/")

@@ -12,25 +12,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
+from rlflow.engine import dist
 from rlflow.engine.algos import (
-    aggregate_loss,
     compute_gae_advantages,
     compute_token_rewards,
     explained_variance,
     kl_penalty,
+    loss_sum_and_units,
     make_kl_controller,
     masked_mean,
+    masked_sum,
     masked_whiten,
     ppo_policy_loss,
     value_loss,
 )
+from rlflow.engine.backend import LossParts, Runtime, TrainEngine
 from rlflow.engine.batching import batch_indices
 from rlflow.engine.config import PPOConfig
 from rlflow.engine.evaluation import PromptSet, ScoringModels, evaluate_policy, normalised_scores
 from rlflow.engine.models import token_logprobs, token_values
-from rlflow.engine.rollout import RolloutBatch, SamplingParams, batched_logprobs, batched_values, generate_rollouts
-from rlflow.engine.train_state import make_optimizer, step_seed
+from rlflow.engine.rollout import (
+    RolloutBatch,
+    SamplingParams,
+    batched_logprobs,
+    batched_values,
+    generate_rollouts,
+    merge_rollouts,
+    pad_responses,
+)
+from rlflow.engine.train_state import step_seed
 
 
 @dataclass(frozen=True)
@@ -49,14 +59,27 @@ class Experience:
 
 @dataclass
 class PPOModels:
-    actor: torch.nn.Module
-    critic: torch.nn.Module
+    actor: TrainEngine
+    critic: TrainEngine
     tokenizer: Any
     scoring: ScoringModels  # reward model, reference, SFT policy, gold (evaluation only)
+    runtime: Runtime
 
 
 def sampling_params(cfg: PPOConfig) -> SamplingParams:
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
+
+
+@torch.no_grad()
+def _score_chunk(models: PPOModels, cfg: PPOConfig, batch: RolloutBatch) -> list[torch.Tensor]:
+    """[old_logprobs, ref_logprobs, values] ([b, R] each) and normalised scores [b] of one chunk."""
+    rows = batch.input_ids.shape[0]
+    return [
+        batched_logprobs(models.actor.forward, batch, cfg.temperature, chunk=rows),
+        batched_logprobs(models.scoring.reference, batch, cfg.temperature, chunk=rows),
+        batched_values(models.critic.forward, batch, chunk=rows),
+        normalised_scores(models.scoring.reward_model, batch, models.scoring.score_norm, rows),
+    ]
 
 
 def make_experience(
@@ -66,86 +89,100 @@ def make_experience(
     kl_coef: float,
     seed: int,
     timings: dict[str, float],
+    generate_batch: int,
 ) -> Experience:
-    """Sample and score one batch. Never calls the gold function: PPO sees only the reward model."""
+    """Sample and score one batch. Never calls the gold function: PPO sees only the reward model.
+
+    Prompts are sampled in chunks of `generate_batch`, chunk c seeded from (seed, c) and handled
+    by rank c % world_size; every rank then holds the whole batch in global order, so the draw
+    and everything after it are the same for any number of processes.
+    """
     t0 = time.monotonic()
-    batch = generate_rollouts(models.actor, models.tokenizer, prompts, sampling_params(cfg), seed)
-    t1 = time.monotonic()
-    old_logprobs = batched_logprobs(models.actor, batch, cfg.temperature)
-    ref_logprobs = batched_logprobs(models.scoring.reference, batch, cfg.temperature)
-    t2 = time.monotonic()
-    values = batched_values(models.critic, batch)
-    t3 = time.monotonic()
-    scores = normalised_scores(models.scoring.reward_model, batch, models.scoring.score_norm)
+    pad, params = models.tokenizer.pad_token_id, sampling_params(cfg)
+    batches, scored, gen_s = [], [], 0.0
+    for c, real in dist.rank_chunks(len(prompts), generate_batch):
+        started = time.monotonic()
+        batch = generate_rollouts(
+            models.actor.model,
+            models.tokenizer,
+            prompts[c * generate_batch : (c + 1) * generate_batch],
+            params,
+            step_seed(seed, c),
+            **models.runtime.generate_kwargs(),
+        )
+        gen_s += time.monotonic() - started
+        parts = _score_chunk(models, cfg, batch)
+        if real:
+            batches.append(batch)
+            scored.append(parts)
+    local = merge_rollouts(batches, pad)
+    n, gather = len(prompts), lambda t, value=0.0, left=False: dist.gather_chunked(t, n, generate_batch, value, left)
+    width = local.prompt_width
+    batch = RolloutBatch(
+        input_ids=torch.cat([gather(local.input_ids[:, :width], pad, True), gather(local.response_ids, pad)], 1),
+        attention_mask=torch.cat(
+            [gather(local.attention_mask[:, :width], 0, True), gather(local.attention_mask[:, width:])], 1
+        ),
+        response_mask=gather(local.response_mask),
+        prompt_width=0,  # set below from the gathered prompt width
+        response_texts=tuple(dist.gather_chunked_list(local.response_texts, n, generate_batch)),
+    )
+    prompt_width = batch.input_ids.shape[1] - batch.response_mask.shape[1]
+    batch = RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask, prompt_width, batch.response_texts)
+    old_logprobs, ref_logprobs, values = (gather(pad_responses([s[i] for s in scored])) for i in range(3))
+    scores = gather(torch.cat([s[3] for s in scored]))
     mask = batch.response_mask
     kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl.estimator) * mask
     rewards = compute_token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = compute_gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
         advantages = masked_whiten(advantages, mask)
-    timings.update(
-        {
-            "timing_s/gen": t1 - t0,
-            "timing_s/ref": t2 - t1,
-            "timing_s/values": t3 - t2,
-            "timing_s/score": time.monotonic() - t3,
-        }
-    )
+    timings.update({"timing_s/gen": gen_s, "timing_s/score": time.monotonic() - t0 - gen_s})
     return Experience(batch, old_logprobs, ref_logprobs, values, scores, rewards, advantages, returns)
 
 
-def actor_loss(
-    models: PPOModels, exp: Experience, index: torch.Tensor, cfg: PPOConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy loss of the rows `index` [M], aggregated per `cfg.loss_agg`."""
+def actor_loss(model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> LossParts:
+    """Clipped policy loss of the rows `index` [M] as a share of `cfg.loss_agg` over the mini-batch."""
     batch, mask = exp.batch.rows(index), exp.batch.response_mask[index]
     logprobs, entropy = token_logprobs(
-        models.actor, batch.input_ids, batch.attention_mask, batch.prompt_width, cfg.temperature, with_entropy=True
+        model, batch.input_ids, batch.attention_mask, batch.prompt_width, cfg.temperature, with_entropy=True
     )
     pg, clipped, approx_kl = ppo_policy_loss(logprobs, exp.old_logprobs[index], exp.advantages[index], cfg.clip_ratio)
-    loss = aggregate_loss(pg, mask, cfg.loss_agg)
-    return loss, {
-        "actor/pg_loss": float(loss.detach()),
-        "actor/pg_clipfrac": float(masked_mean(clipped, mask)),
-        "actor/ppo_kl": float(masked_mean(approx_kl, mask)),
-        "actor/entropy": float(masked_mean(entropy.detach(), mask)),
-    }
+    loss_sum, units = loss_sum_and_units(pg, mask, cfg.loss_agg)
+    tokens = float(mask.sum())
+    return LossParts(
+        loss_sum,
+        units,
+        {
+            "actor/pg_clipfrac": (float(masked_sum(clipped, mask)), tokens),
+            "actor/ppo_kl": (float(masked_sum(approx_kl.detach(), mask)), tokens),
+            "actor/entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
+        },
+    )
 
 
-def critic_loss(
-    models: PPOModels, exp: Experience, index: torch.Tensor, cfg: PPOConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
+def critic_loss(model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> LossParts:
     """Clipped value loss of the rows `index` [M]; values are read at the token before each response token."""
     batch, mask = exp.batch.rows(index), exp.batch.response_mask[index]
-    values = token_values(models.critic, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1 : -1]
+    values = token_values(model, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1 : -1]
     vf, vf_clipped = value_loss(values, exp.values[index], exp.returns[index], cfg.value_clip)
-    loss = aggregate_loss(vf, mask, cfg.loss_agg)
-    return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(masked_mean(vf_clipped, mask))}
+    loss_sum, units = loss_sum_and_units(vf, mask, cfg.loss_agg)
+    return LossParts(loss_sum, units, {"critic/vf_clipfrac": (float(masked_sum(vf_clipped, mask)), float(mask.sum()))})
 
 
-def _apply_gradients(
-    loss: torch.Tensor, network: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
-) -> float:
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(network.parameters(), max_norm)
-    optimizer.step()
-    return float(grad_norm)
+def loss_units(mask: torch.Tensor, mode: str) -> float:
+    """Units a micro-batch's loss is normalised over (must match loss_sum_and_units)."""
+    return float(mask.bool().sum()) if mode == "token-mean" else float(mask.shape[0])
 
 
 def ppo_update(
-    models: PPOModels,
-    optimizers: dict[str, torch.optim.Optimizer],
-    exp: Experience,
-    cfg: PPOConfig,
-    update_actor: bool,
-    seed: int,
-    timings: dict[str, float],
+    models: PPOModels, exp: Experience, cfg: PPOConfig, update_actor: bool, seed: int, timings: dict[str, float]
 ) -> dict[str, float]:
     """`cfg.epochs` passes of clipped actor and critic updates over shuffled mini-batches.
 
-    During critic warm-up (`update_actor` False) the actor is not even run. Returns the
-    metrics averaged over mini-batches; adds timing_s/update_actor and timing_s/update_critic.
+    Mini-batches are drawn from the whole batch (the same on every rank); each rank trains on its
+    share, cut into micro-batches. During critic warm-up (`update_actor` False) the actor is not
+    run. Returns metrics averaged over mini-batches; adds timing_s/update_actor and _critic.
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -153,12 +190,18 @@ def ppo_update(
     models.actor.train(), models.critic.train()
     parts = [("actor", models.actor, actor_loss)] if update_actor else []
     parts.append(("critic", models.critic, critic_loss))
+    lengths = exp.batch.attention_mask.sum(1).tolist()
     for _ in range(cfg.epochs):
         for index in torch.randperm(exp.batch.input_ids.shape[0], generator=generator).split(cfg.mini_batch):
-            for name, network, loss_fn in parts:
+            mine = index[dist.rank() :: dist.world_size()]
+            micro = [mine[g] for g in models.runtime.micro_batches([lengths[i] for i in mine.tolist()])]
+            units = [loss_units(exp.batch.response_mask[m], cfg.loss_agg) for m in micro]
+            for name, engine, loss_fn in parts:
                 started = time.monotonic()
-                loss, metrics = loss_fn(models, exp, index, cfg)
-                metrics[f"{name}/grad_norm"] = _apply_gradients(loss, network, optimizers[name], cfg.max_grad_norm)
+                out = engine.train_step(micro, units, lambda model, m, f=loss_fn: f(model, exp, m, cfg))
+                metrics = {k: v for k, v in out.items() if k.startswith(f"{name}/")}
+                metrics[f"{name}/{'pg_loss' if name == 'actor' else 'vf_loss'}"] = out["loss"]
+                metrics[f"{name}/grad_norm"] = out["grad_norm"]
                 timings[f"timing_s/update_{name}"] = (
                     timings.get(f"timing_s/update_{name}", 0.0) + time.monotonic() - started
                 )
@@ -186,13 +229,13 @@ def experience_metrics(exp: Experience, kl_coef: float) -> dict[str, float]:
 
 def ppo_step(
     models: PPOModels,
-    optimizers,
     kl_controller,
     cfg: PPOConfig,
     prompts: PromptSet,
     seed: int,
     round_index: int,
     step: int,
+    generate_batch: int,
 ) -> dict[str, float]:
     """One PPO step (1-based `step`): rollout, scoring, updates, KL controller. Returns metrics."""
     started = time.monotonic()
@@ -205,12 +248,11 @@ def ppo_step(
         kl_controller.value,
         step_seed(seed, round_index, step, 4),
         timings,
+        generate_batch,
     )
     metrics = experience_metrics(exp, kl_controller.value)
     metrics.update(
-        ppo_update(
-            models, optimizers, exp, cfg, step > cfg.critic_warmup_steps, step_seed(seed, round_index, step, 5), timings
-        )
+        ppo_update(models, exp, cfg, step > cfg.critic_warmup_steps, step_seed(seed, round_index, step, 5), timings)
     )
     kl_controller.update(metrics["actor/kl"], cfg.rollout_batch)
     timings["timing_s/step"] = time.monotonic() - started
@@ -220,18 +262,19 @@ def ppo_step(
     return metrics
 
 
-def make_ppo_optimizers(models: PPOModels, cfg: PPOConfig) -> dict[str, torch.optim.Optimizer]:
-    return {
-        "actor": make_optimizer(models.actor, cfg.actor_lr, 0.0),
-        "critic": make_optimizer(models.critic, cfg.critic_lr, 0.0),
-    }
-
-
 def make_controller(cfg: PPOConfig):
     return make_kl_controller(cfg.kl.controller, cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
 
 
 def run_evaluation(models: PPOModels, prompts: PromptSet, cfg: PPOConfig, seed: int, batch_size: int, n_samples: int):
     return evaluate_policy(
-        models.actor, models.tokenizer, prompts, models.scoring, sampling_params(cfg), seed, batch_size, n_samples
+        models.actor.model,
+        models.tokenizer,
+        prompts,
+        models.scoring,
+        sampling_params(cfg),
+        seed,
+        batch_size,
+        n_samples,
+        models.runtime.generate_kwargs(),
     )

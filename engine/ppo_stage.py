@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rlflow.engine.config import CheckpointConfig, DataConfig, EvalConfig, ModelConfig, PPOConfig
 from rlflow.engine.data import load_prompts
 from rlflow.engine.evaluation import PromptSet, ScoringModels, encode_prompt_set
-from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_dir
-from rlflow.engine.ppo import PPOModels, make_controller, make_ppo_optimizers, ppo_step, run_evaluation
+from rlflow.engine.backend import OptimSpec, Runtime
+from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_kwargs
+from rlflow.engine.ppo import PPOModels, make_controller, ppo_step, run_evaluation
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
@@ -20,6 +22,7 @@ from rlflow.engine.stage import (
     latest_resumable,
     restore_training_state,
     save_checkpoint,
+    should_consolidate,
 )
 from rlflow.engine.train_state import step_seed
 
@@ -37,26 +40,22 @@ class PPOInputs:
 
 
 def load_ppo_models(
-    inputs: PPOInputs, resume_dir: str | None, model_cfg: ModelConfig, gold: Callable[..., Any]
+    inputs: PPOInputs, model_cfg: ModelConfig, cfg: PPOConfig, gold: Callable[..., Any], runtime: Runtime
 ) -> PPOModels:
-    kw = {"dtype": model_cfg.dtype, "trust_remote_code": model_cfg.trust_remote_code}
-    actor_path = model_dir(resume_dir, "model") if resume_dir else inputs.policy
-    critic_path = model_dir(resume_dir, "critic") if resume_dir else inputs.critic
-    tokenizer = load_tokenizer(actor_path, model_cfg.trust_remote_code)
-    reference = load_policy(inputs.reference, **kw).eval()
-    sft = reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval()
-    scoring = ScoringModels(
-        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(),
-        score_norm=inputs.score_norm,
-        reference=reference,
-        sft=sft,
-        gold=gold,
-    )
-    for frozen in (scoring.reward_model, reference, sft):
-        frozen.requires_grad_(False)
-    return PPOModels(
-        load_policy(actor_path, **kw), load_scalar_model(critic_path, key="critic", **kw), tokenizer, scoring
-    )
+    """Actor and critic as trainable engines (from the round's inputs; a resume then loads its
+    checkpoint's state into them), reference, SFT policy and reward model frozen."""
+    kw = model_kwargs(model_cfg)
+    tokenizer = load_tokenizer(inputs.policy, model_cfg.trust_remote_code)
+    reference = runtime.frozen(lambda: load_policy(inputs.reference, **kw))
+    sft = reference if inputs.sft == inputs.reference else runtime.frozen(lambda: load_policy(inputs.sft, **kw))
+    reward_model = runtime.frozen(lambda: load_scalar_model(inputs.reward_model, **kw))
+    scoring = ScoringModels(reward_model, inputs.score_norm, reference, sft, gold)
+    # The schedule is constant (no warmup, no decay); total_steps only shapes a cosine that never starts.
+    actor_optim = OptimSpec(cfg.actor_lr, 0.0, 0, 0, cfg.max_grad_norm)
+    critic_optim = OptimSpec(cfg.critic_lr, 0.0, 0, 0, cfg.max_grad_norm)
+    actor = runtime.trainable("model", lambda: load_policy(inputs.policy, **kw), actor_optim)
+    critic = runtime.trainable("critic", lambda: load_scalar_model(inputs.critic, key="critic", **kw), critic_optim)
+    return PPOModels(actor, critic, tokenizer, scoring, runtime)
 
 
 def load_prompt_sets(tokenizer: Any, data: DataConfig, eval_cfg: EvalConfig, sink) -> tuple[PromptSet, PromptSet]:
@@ -84,18 +83,19 @@ def run_ppo_stage(
     data: DataConfig,
     checkpoint: CheckpointConfig,
     gold: Callable[..., Any],
+    generate_batch: int = 32,
 ) -> StageOutcome:
     """Run `cfg.steps` PPO steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible."""
     if (done := completed_outcome(ctx)) is not None:
         return done
     resume = latest_resumable(ctx)
-    models = load_ppo_models(inputs, ctx.store.local_dir(resume) if resume is not None else None, model_cfg, gold)
+    models = load_ppo_models(inputs, model_cfg, cfg, gold, ctx.runtime)
     prompts, eval_prompts = load_prompt_sets(models.tokenizer, data, eval_cfg, ctx.sink)
-    optimizers, controller = make_ppo_optimizers(models, cfg), make_controller(cfg)
+    controller = make_controller(cfg)
     state: dict[str, Any] = {"best": None, "best_step": None, "stopped_by_kl": False}
     step = 0
     if resume is not None:
-        meta = restore_training_state(ctx, resume, optimizers, {})
+        meta = restore_training_state(ctx, resume, {"model": models.actor, "critic": models.critic})
         controller.load_state_dict(meta["kl_controller"])
         step, state = resume, meta["ppo_state"]
 
@@ -107,7 +107,7 @@ def run_ppo_stage(
     while step < cfg.steps and not state["stopped_by_kl"]:
         step += 1
         fault_point("ppo", "step", step)
-        metrics = ppo_step(models, optimizers, controller, cfg, prompts, ctx.seed, ctx.round_index, step)
+        metrics = ppo_step(models, controller, cfg, prompts, ctx.seed, ctx.round_index, step, generate_batch)
         state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
         metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
         last = step >= cfg.steps or state["stopped_by_kl"]
@@ -125,13 +125,12 @@ def run_ppo_stage(
                 ctx,
                 step,
                 {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
-                optimizers,
-                {},
                 {
                     "kl_controller": controller.state_dict(),
                     "ppo_state": dict(state),
                     "data_position": {"prompts_seen": step * cfg.rollout_batch},
                 },
+                should_consolidate(ctx, step, last) or state["best_step"] == step,
                 protect={state["best_step"]} if state["best_step"] else set(),
             )
     if "eval/gold_score" not in metrics:  # resumed exactly at the last step: evaluate its policy

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-
-from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, right_pad
+from rlflow.engine import dist
+from rlflow.engine.backend import LossParts, OptimSpec, TrainEngine
+from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, rank_shard, right_pad
 from rlflow.engine.config import DataConfig, ModelConfig, RewardModelConfig
 from rlflow.engine.data import PreferencePair, load_preference_pairs, load_sft_examples
-from rlflow.engine.models import load_scalar_model, load_tokenizer, sequence_scores
+from rlflow.engine.models import load_scalar_model, load_tokenizer, model_kwargs, sequence_scores
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
     completed_outcome,
     fault_point,
     finish,
+    latest_resumable,
     restore_training_state,
-    resume_point,
     save_checkpoint,
+    should_consolidate,
 )
-from rlflow.engine.train_state import make_optimizer, make_schedule
 
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
@@ -48,16 +50,26 @@ def _score_pairs(model, rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return scores[: len(rows)], scores[len(rows) :]
 
 
+def _rank_passes(rows: list, batch_size: int) -> Iterator[tuple[list, bool]]:
+    """This rank's share of `rows` in chunks, padded with repeats to the same number of passes
+    on every rank (ZeRO-3 gathers weights in each forward); yields (chunk, counts)."""
+    mine = rank_shard(list(range(len(rows))), dist.rank(), dist.world_size())
+    passes = dist.all_reduce_max(-(-len(mine) // batch_size))
+    for i in range(passes):
+        chunk = [rows[j] for j in mine[i * batch_size : (i + 1) * batch_size]]
+        yield (chunk or [rows[0]]), bool(chunk)
+
+
 @torch.no_grad()
 def pairwise_accuracy(model, rows, pad_id: int, batch_size: int = 128) -> float:
     """Fraction of pairs whose chosen answer scores strictly higher (labels taken as given)."""
     model.eval()
     correct = 0
-    for i in range(0, len(rows), batch_size):
-        chosen, rejected = _score_pairs(model, rows[i : i + batch_size], pad_id)
-        correct += int((chosen > rejected).sum())
+    for chunk, counts in _rank_passes(rows, batch_size):
+        chosen, rejected = _score_pairs(model, chunk, pad_id)
+        correct += int((chosen > rejected).sum()) if counts else 0
     model.train()
-    return correct / max(1, len(rows))
+    return float(dist.all_reduce_sum(correct)) / max(1, len(rows))
 
 
 @torch.no_grad()
@@ -65,14 +77,44 @@ def score_statistics(model, rows: list[PromptResponseIds], pad_id: int, batch_si
     """Mean and std of raw scores on a fixed reference set; PPO normalises rewards with them so
     a retrained reward model does not shift the reward scale between rounds."""
     model.eval()
-    scores = torch.cat(
-        [
-            sequence_scores(model, *right_pad(rows[i : i + batch_size], pad_id)[:2])
-            for i in range(0, len(rows), batch_size)
-        ]
-    )
+    total = torch.zeros(2, dtype=torch.float64)  # sum, sum of squares
+    for chunk, counts in _rank_passes(rows, batch_size):
+        scores = sequence_scores(model, *right_pad(chunk, pad_id)[:2]).double()
+        if counts:
+            total += torch.stack([scores.sum(), (scores**2).sum()])
     model.train()
-    return float(scores.mean()), float(scores.std().clamp(min=1e-6))
+    total, n = dist.all_reduce_sum(total), len(rows)
+    mean = float(total[0]) / n
+    variance = max(float(total[1]) / n - mean**2, 0.0) * n / max(n - 1, 1)  # unbiased, like torch.std
+    return mean, max(variance**0.5, 1e-6)
+
+
+def rm_train_step(engine: TrainEngine, runtime, rows, pad_id: int, batch_size: int, step: int, ctx) -> dict:
+    """One optimizer step of the Bradley-Terry loss averaged over every pair of global batch `step`."""
+    indices = batch_indices(len(rows), batch_size, step, ctx.seed, ctx.round_index, 2)
+    mine = [rows[j] for j in rank_shard(indices, dist.rank(), dist.world_size())]
+    # A pair is two sequences padded to the longer one: it costs twice that in the token budget.
+    groups = runtime.micro_batches(
+        [2 * max(len(c.prompt) + len(c.response), len(r.prompt) + len(r.response)) for c, r in mine]
+    )
+    batches = [[mine[j] for j in g] for g in groups]
+
+    def loss_fn(model, pairs) -> LossParts:
+        chosen, rejected = _score_pairs(model, pairs, pad_id)
+        margin = (chosen - rejected).detach()
+        return LossParts(
+            bradley_terry_loss(chosen, rejected).sum(),
+            float(len(pairs)),
+            {
+                "rm/train_accuracy": (float((margin > 0).sum()), len(pairs)),
+                "rm/margin": (float(margin.sum()), len(pairs)),
+            },
+        )
+
+    out = engine.train_step(batches, [float(len(b)) for b in batches], loss_fn)
+    return {"rm/loss": out["loss"], "rm/grad_norm": out["grad_norm"], "rm/lr": out["lr"]} | {
+        k: out[k] for k in ("rm/train_accuracy", "rm/margin")
+    }
 
 
 def run_reward_model_stage(
@@ -87,11 +129,15 @@ def run_reward_model_stage(
     accuracy on data.preferences_eval (clean gold labels)."""
     if (done := completed_outcome(ctx)) is not None:
         return done
-    resume, source = resume_point(ctx, init_path)
-    tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
-    model = load_scalar_model(source, model_cfg.dtype, model_cfg.trust_remote_code)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.train()
+    resume = latest_resumable(ctx)
+    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
+    pad = tokenizer.pad_token_id
+
+    def load():
+        model = load_scalar_model(init_path, **model_kwargs(model_cfg))
+        model.config.pad_token_id = pad
+        return model
+
     pairs = list(load_preference_pairs(data.preferences, data.storage_options))
     for url in extra_preferences:
         pairs += load_preference_pairs(url, data.storage_options)
@@ -101,35 +147,22 @@ def run_reward_model_stage(
     ]
     eval_rows = _pair_rows(tokenizer, eval_pairs, cfg.max_seq_tokens)  # tied pairs carry no label: dropped
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
-    schedule = make_schedule(optimizer, cfg.warmup_steps, total_steps)
+    optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, total_steps, cfg.max_grad_norm)
+    engine = ctx.runtime.trainable("model", load, optim)
+    engine.train()
     step = 0
     if resume is not None:
-        restore_training_state(ctx, resume, {"rm": optimizer}, {"rm": schedule})
+        restore_training_state(ctx, resume, {"model": engine})
         step = resume
     started, metrics = time.monotonic(), {}
-    pad = tokenizer.pad_token_id
     while step < total_steps:
         step += 1
         fault_point("rm", "step", step)
-        rows = [
-            train_rows[i] for i in batch_indices(len(train_rows), cfg.batch_size, step, ctx.seed, ctx.round_index, 2)
-        ]
-        chosen, rejected = _score_pairs(model, rows, pad)
-        loss = bradley_terry_loss(chosen, rejected).mean()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step(), schedule.step(), optimizer.zero_grad(set_to_none=True)
-        metrics = {
-            "rm/loss": loss.item(),
-            "rm/train_accuracy": float((chosen > rejected).float().mean().detach()),
-            "rm/margin": float((chosen - rejected).detach().mean()),
-            "rm/grad_norm": float(grad_norm),
-            "timing_s/elapsed": time.monotonic() - started,
-        }
+        metrics = rm_train_step(engine, ctx.runtime, train_rows, pad, cfg.batch_size, step, ctx)
+        metrics["timing_s/elapsed"] = time.monotonic() - started
         if step % cfg.log_every == 0 or step == total_steps:
             if step == total_steps:
-                metrics["rm/accuracy"] = pairwise_accuracy(model, eval_rows, pad)
+                metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
             ctx.sink.log_metrics(metrics, step)
         if step % ctx.every_steps == 0 or step == total_steps:
             if step == total_steps:
@@ -137,20 +170,19 @@ def run_reward_model_stage(
                     encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
                     for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]
                 ]
-                metrics["rm/score_mean"], metrics["rm/score_std"] = score_statistics(model, reference, pad)
+                metrics["rm/score_mean"], metrics["rm/score_std"] = score_statistics(engine.forward, reference, pad)
             save_checkpoint(
                 ctx,
                 step,
-                {"model": (model, tokenizer)},
-                {"rm": optimizer},
-                {"rm": schedule},
+                {"model": (engine, tokenizer)},
                 {
                     "score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)],
                     "data_position": {"pairs_seen": step * cfg.batch_size},
                 },
+                should_consolidate(ctx, step, step == total_steps),
             )
     if "rm/accuracy" not in metrics:  # resumed exactly at the last step
-        metrics["rm/accuracy"] = pairwise_accuracy(model, eval_rows, pad)
+        metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
     metrics["rm/score_mean"], metrics["rm/score_std"] = ctx.store.manifest(step)["meta"]["score_norm"]
     keep = ("rm/loss", "rm/accuracy", "rm/score_mean", "rm/score_std")
     return finish(ctx, step, {k: metrics[k] for k in keep if k in metrics} | {"rm/pairs": len(train_rows)}, resume)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from transformers import GenerationConfig
-
 from rlflow.engine.batching import left_pad
 from rlflow.engine.models import sequence_scores, token_logprobs, token_values
+from transformers import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,33 @@ class RolloutBatch:
         )
 
 
+def merge_rollouts(parts: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Stack batches sampled separately (chunks, ranks): prompts re-left-padded to the widest,
+    responses re-right-padded to the longest."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.prompt_width for p in parts)
+    length = max(p.input_ids.shape[1] - p.prompt_width for p in parts)
+
+    def pad(t: torch.Tensor, p: RolloutBatch, value: int) -> torch.Tensor:
+        left, right = width - p.prompt_width, length - (t.shape[1] - p.prompt_width)
+        return torch.nn.functional.pad(t, (left, right), value=value)
+
+    return RolloutBatch(
+        input_ids=torch.cat([pad(p.input_ids, p, pad_id) for p in parts]),
+        attention_mask=torch.cat([pad(p.attention_mask, p, 0) for p in parts]),
+        response_mask=pad_responses([p.response_mask for p in parts]),
+        prompt_width=width,
+        response_texts=tuple(t for p in parts for t in p.response_texts),
+    )
+
+
+def pad_responses(parts: Sequence[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+    """Concatenate [b_i, R_i] per-response-token tensors along rows, right-padding to max R_i."""
+    length = max(t.shape[1] for t in parts)
+    return torch.cat([torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value) for t in parts])
+
+
 def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """[B, R] ids -> [B, R] float mask: 1 up to and including the first EOS (or all, if none)."""
     is_eos = (response_ids == eos_id).long()
@@ -52,9 +79,16 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> torch.Ten
 
 @torch.no_grad()
 def generate_rollouts(
-    policy: torch.nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    seed: int,
+    **generate_kwargs: Any,
 ) -> RolloutBatch:
-    """Sample one response per prompt with the KV cache; `seed` fixes the draw exactly."""
+    """Sample one response per prompt with the KV cache; `seed` fixes the draw exactly.
+
+    generate_kwargs: backend extras (`synced_gpus` under ZeRO-3)."""
     ids, attention = left_pad(prompts, tokenizer.pad_token_id)
     was_training = policy.training
     policy.eval()
@@ -74,7 +108,7 @@ def generate_rollouts(
     )
     checkpoint_config, policy.generation_config = policy.generation_config, GenerationConfig()
     try:  # generate() fills every unset field from the model's config: give it a blank one
-        out = policy.generate(input_ids=ids, attention_mask=attention, generation_config=config)
+        out = policy.generate(input_ids=ids, attention_mask=attention, generation_config=config, **generate_kwargs)
     finally:
         policy.generation_config = checkpoint_config
     policy.train(was_training)

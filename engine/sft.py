@@ -5,22 +5,23 @@ from __future__ import annotations
 import time
 
 import torch
-
-from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, right_pad
+from rlflow.engine import dist
+from rlflow.engine.backend import LossParts, OptimSpec, Runtime, TrainEngine
+from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, rank_shard, right_pad
 from rlflow.engine.config import DataConfig, ModelConfig, SFTConfig
 from rlflow.engine.data import load_sft_examples
-from rlflow.engine.models import load_policy, load_tokenizer, position_ids_from_mask
+from rlflow.engine.models import load_policy, load_tokenizer, model_kwargs, position_ids_from_mask
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
     completed_outcome,
     fault_point,
     finish,
+    latest_resumable,
     restore_training_state,
-    resume_point,
     save_checkpoint,
+    should_consolidate,
 )
-from rlflow.engine.train_state import make_optimizer, make_schedule
 
 
 def response_token_loss(
@@ -41,13 +42,21 @@ def response_token_loss(
 
 @torch.no_grad()
 def heldout_loss(model: torch.nn.Module, rows: list[PromptResponseIds], pad_id: int, batch_size: int = 64) -> float:
+    """Mean NLL per response token (nats) over `rows`, each rank scoring its share.
+
+    Every rank runs the same number of passes (ZeRO-3 gathers weights in each forward)."""
     model.eval()
+    mine = rank_shard(list(range(len(rows))), dist.rank(), dist.world_size())
+    passes = dist.all_reduce_max(-(-len(mine) // batch_size))
     total, count = 0.0, 0.0
-    for i in range(0, len(rows), batch_size):
-        loss_sum, n = response_token_loss(model, *right_pad(rows[i : i + batch_size], pad_id))
-        total, count = total + loss_sum.item(), count + n.item()
+    for i in range(passes):
+        chunk = [rows[j] for j in mine[i * batch_size : (i + 1) * batch_size]] or [rows[0]]
+        loss_sum, n = response_token_loss(model, *right_pad(chunk, pad_id))
+        if i * batch_size < len(mine):
+            total, count = total + loss_sum.item(), count + n.item()
     model.train()
-    return total / max(count, 1.0)
+    total_count = dist.all_reduce_sum(torch.tensor([total, count]))
+    return float(total_count[0]) / max(float(total_count[1]), 1.0)
 
 
 def run_sft_stage(
@@ -60,27 +69,25 @@ def run_sft_stage(
     """
     if (done := completed_outcome(ctx)) is not None:
         return done
-    resume, source = resume_point(ctx, init_path)
-    tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
-    model = load_policy(source, model_cfg.dtype, model_cfg.trust_remote_code)
-    model.train()
-    encode = lambda ex: encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)  # noqa: E731
+    resume = latest_resumable(ctx)
+    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
+    optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.max_steps, cfg.max_grad_norm)
+    engine = ctx.runtime.trainable("model", lambda: load_policy(init_path, **model_kwargs(model_cfg)), optim)
+    engine.train()
+    encode = lambda ex: encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
     train_rows = [encode(ex) for ex in load_sft_examples(data.sft, data.storage_options)]
     eval_rows = [encode(ex) for ex in load_sft_examples(data.sft_eval, data.storage_options)]
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
-    schedule = make_schedule(optimizer, cfg.warmup_steps, cfg.max_steps)
     state = {"best_eval_loss": float("inf"), "bad_evals": 0}
     step = 0
     if resume is not None:
-        meta = restore_training_state(ctx, resume, {"policy": optimizer}, {"policy": schedule})
-        step, state = resume, meta["sft_state"]
+        step, state = resume, restore_training_state(ctx, resume, {"model": engine})["sft_state"]
     started, metrics = time.monotonic(), {}
     while step < cfg.max_steps and state["bad_evals"] < cfg.patience:
         step += 1
         fault_point("sft", "step", step)
-        metrics = _train_step(model, optimizer, schedule, train_rows, tokenizer.pad_token_id, cfg, step, ctx)
+        metrics = sft_train_step(engine, ctx.runtime, train_rows, tokenizer.pad_token_id, cfg.batch_size, step, ctx)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            metrics["sft/eval_loss"] = heldout_loss(model, eval_rows, tokenizer.pad_token_id)
+            metrics["sft/eval_loss"] = heldout_loss(engine.forward, eval_rows, tokenizer.pad_token_id)
             improved = metrics["sft/eval_loss"] < state["best_eval_loss"] * 0.99
             state = {
                 "best_eval_loss": min(state["best_eval_loss"], metrics["sft/eval_loss"]),
@@ -94,10 +101,9 @@ def run_sft_stage(
             save_checkpoint(
                 ctx,
                 step,
-                {"model": (model, tokenizer)},
-                {"policy": optimizer},
-                {"policy": schedule},
-                {"sft_state": state, "data_position": {"examples_seen": step * cfg.batch_size * cfg.grad_accum}},
+                {"model": (engine, tokenizer)},
+                {"sft_state": state, "data_position": {"examples_seen": step * cfg.batch_size}},
+                should_consolidate(ctx, step, done_now),
             )
     final_metrics = {"sft/eval_loss": state["best_eval_loss"], "sft/steps": step}
     if "sft/loss" in metrics:  # absent when resumed exactly at the last step
@@ -105,25 +111,21 @@ def run_sft_stage(
     return finish(ctx, step, final_metrics, resume)
 
 
-def _train_step(
-    model, optimizer, schedule, rows, pad_id: int, cfg: SFTConfig, step: int, ctx: StageContext
+def sft_train_step(
+    engine: TrainEngine, runtime: Runtime, rows, pad_id: int, batch_size: int, step: int, ctx: StageContext
 ) -> dict[str, float]:
-    indices = batch_indices(len(rows), cfg.batch_size * cfg.grad_accum, step, ctx.seed, ctx.round_index, 1)
-    groups = [indices[i :: cfg.grad_accum] for i in range(cfg.grad_accum)]
-    batches = [right_pad([rows[j] for j in g], pad_id) for g in groups]
-    n_tokens = sum(b[2][:, 1:].sum() for b in batches)  # global count: micro-batches of unequal length
-    total = 0.0
-    for ids, attention, response_mask in batches:
-        loss_sum, _ = response_token_loss(model, ids, attention, response_mask)
-        (loss_sum / n_tokens).backward()
-        total += loss_sum.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-    optimizer.step()
-    schedule.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {
-        "sft/loss": total / float(n_tokens),
-        "sft/grad_norm": float(grad_norm),
-        "sft/lr": schedule.get_last_lr()[0],
-        "sft/tokens": float(n_tokens),
-    }
+    """One optimizer step on global batch `step`; this rank takes its share, cut into micro-batches.
+
+    The loss is the mean NLL over every response token of the global batch."""
+    indices = batch_indices(len(rows), batch_size, step, ctx.seed, ctx.round_index, 1)
+    mine = [rows[j] for j in rank_shard(indices, dist.rank(), dist.world_size())]
+    groups = runtime.micro_batches([len(r.prompt) + len(r.response) for r in mine])
+    batches = [right_pad([mine[j] for j in g], pad_id) for g in groups]
+    units = [float(b[2][:, 1:].sum()) for b in batches]
+
+    def loss_fn(model, batch) -> LossParts:
+        loss_sum, count = response_token_loss(model, *batch)
+        return LossParts(loss_sum, float(count))
+
+    out = engine.train_step(batches, units, loss_fn)
+    return {"sft/loss": out["loss"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"], "sft/tokens": out["units"]}

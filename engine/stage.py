@@ -6,6 +6,7 @@ store's `final` marker: the marker, not Prefect's cache, is the truth about comp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -13,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
+from rlflow.engine import dist
+from rlflow.engine.backend import Runtime, TrainEngine
 from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import diff_keys
 from rlflow.engine.errors import CheckpointError
 from rlflow.engine.metrics import MetricsSink, NullSink
-from rlflow.engine.models import model_dir, save_model_dir
-from rlflow.engine.train_state import load_training_state, save_training_state
+from rlflow.engine.models import save_model_dir
+from rlflow.engine.optim_state import STATE_FILE, ShardReader, owned, restore_rng, shard_bytes, shard_name, state_json
 
 FAULT_ENV = "RLFLOW_FAULT"  # "<stage>:<event>:<step>": die (os._exit) at that point, for kill tests
 
@@ -36,7 +38,9 @@ class StageContext:
     identity_tree: dict[str, Any]  # what the identity was computed from (for "what changed")
     every_steps: int = 10
     keep_last: int = 2
+    consolidate_every: int = 1  # checkpoints between whole HF model directories (the last is always whole)
     sink: MetricsSink = field(default_factory=NullSink)
+    runtime: Runtime = field(default_factory=Runtime)  # torch in this process, or this rank's DeepSpeed
 
     @property
     def label(self) -> str:
@@ -97,24 +101,59 @@ def fault_point(stage: str, event: str, step: int) -> None:
 def save_checkpoint(
     ctx: StageContext,
     step: int,
-    models: dict[str, tuple[Any, Any]],
-    optimizers: dict[str, Any],
-    schedulers: dict[str, Any],
+    engines: dict[str, tuple[TrainEngine, Any]],
     meta: dict[str, Any],
+    consolidate: bool,
     protect: set[int] | frozenset[int] = frozenset(),
 ) -> str:
-    """Commit one step: HF model dirs, training state, then the manifest (the commit point)."""
-    with ctx.store.writer(step) as writer:
-        for prefix, (model, tokenizer) in models.items():
-            save_model_dir(model, tokenizer, writer, prefix)
-        fault_point(ctx.stage, "mid_checkpoint", step)
-        save_training_state(writer, optimizers, schedulers)
-        writer.meta.update(meta, identity=ctx.identity)
-    fault_point(ctx.stage, "after_checkpoint", step)
-    # The step just written always survives: steps left by an abandoned run with another
-    # identity must not push it out of keep_last.
-    ctx.store.prune(ctx.keep_last, protect=set(protect) | {step})
+    """Commit one step from all ranks (a collective: every rank calls it).
+
+    Each rank writes its optimizer shard of every engine; with `consolidate`, rank 0 also writes
+    each model as an HF directory (safetensors) under its prefix; then rank 0 writes the training
+    state and the manifest, the commit point. `engines`: prefix -> (engine, tokenizer or None).
+    """
+    rank, world = dist.rank(), dist.world_size()
+    with ctx.store.writer(step) if dist.is_main() else contextlib.nullcontext() as writer:
+        dist.barrier()  # rank 0 has cleared any debris of this step before others write into it
+        records, engines_meta = {}, {}
+        for prefix, (engine, tokenizer) in engines.items():
+            names = engine.param_names()
+            mine = {}
+            for index, name in enumerate(names):
+                state = engine.full_param_state(name)  # a collective under ZeRO-3: every rank, every name
+                if owned(index, rank, world):
+                    mine[name] = state
+            shard = shard_name(prefix, rank)
+            records[shard] = ctx.store.put_shard(step, shard, shard_bytes(mine))
+            state_dict = engine.gathered_state_dict() if consolidate else None
+            if writer is not None and consolidate:
+                save_model_dir(engine.model, tokenizer, writer, prefix, state_dict)
+            engines_meta[prefix] = {
+                "adam_step": engine.adam_step(),
+                "world_size": world,
+                "schedule": engine.schedule.state_dict(),
+            }
+        every_rank = dist.all_gather_json(records)
+        if writer is not None:
+            for rank_records in every_rank:
+                for name, record in rank_records.items():
+                    writer.adopt(name, record)
+            fault_point(ctx.stage, "mid_checkpoint", step)
+            writer.write_bytes(STATE_FILE, state_json(engines_meta))
+            writer.meta.update(meta, identity=ctx.identity, consolidated=consolidate)
+    dist.barrier()
+    if dist.is_main():
+        fault_point(ctx.stage, "after_checkpoint", step)
+        # The step just written always survives: steps left by an abandoned run with another
+        # identity must not push it out of keep_last.
+        ctx.store.prune(ctx.keep_last, protect=set(protect) | {step})
+    dist.barrier()
     return ctx.store.step_url(step)
+
+
+def should_consolidate(ctx: StageContext, step: int, last: bool) -> bool:
+    """Whole HF model directories at the stage's end and every `consolidate_every`-th checkpoint."""
+    return last or (step // ctx.every_steps) % ctx.consolidate_every == 0
 
 
 def latest_resumable(ctx: StageContext) -> int | None:
@@ -125,21 +164,37 @@ def latest_resumable(ctx: StageContext) -> int | None:
     return None
 
 
-def resume_point(ctx: StageContext, init_path: str) -> tuple[int | None, str]:
-    """(latest resumable step or None, the model directory to load: that step's or init_path)."""
-    step = latest_resumable(ctx)
-    return step, (model_dir(ctx.store.local_dir(step)) if step is not None else init_path)
-
-
-def restore_training_state(
-    ctx: StageContext, step: int, optimizers: dict[str, Any], schedulers: dict[str, Any]
-) -> dict[str, Any]:
-    load_training_state(ctx.store.read_bytes(step, "training_state.pt"), optimizers, schedulers)
+def restore_training_state(ctx: StageContext, step: int, engines: dict[str, TrainEngine]) -> dict[str, Any]:
+    """Load weights, Adam state and schedule of every engine from `step`, whatever world size wrote
+    it; restore the RNG; return the step's manifest meta. A collective under ZeRO-3."""
+    local = ctx.store.local_dir(step)
+    with open(os.path.join(local, STATE_FILE), "rb") as f:
+        state = json.loads(f.read())
+    for prefix, engine in engines.items():
+        saved = state["engines"].get(prefix)
+        if saved is None:
+            raise CheckpointError(f"{ctx.store.step_url(step)} has no optimizer state for {prefix!r}")
+        reader = ShardReader(local, prefix, saved["world_size"])
+        missing = sorted(set(engine.param_names()) - reader.names())
+        if missing:
+            raise CheckpointError(
+                f"{ctx.store.step_url(step)}: optimizer shards of {prefix!r} lack parameters {missing[:3]}; "
+                "the model architecture changed since this checkpoint"
+            )
+        engine.set_adam_step(saved["adam_step"])
+        for name in engine.param_names():
+            engine.load_param_state(name, reader.get(name))
+        engine.schedule.load_state_dict(saved["schedule"])
+        for group, lr in zip(engine.schedule.optimizer.param_groups, engine.schedule.get_last_lr()):
+            group["lr"] = lr  # a scheduler's load_state_dict does not touch the optimizer
+    restore_rng(state["rng"])
     return ctx.store.manifest(step)["meta"]
 
 
 def finish(ctx: StageContext, step: int, metrics: dict[str, float], resumed_from: int | None) -> StageOutcome:
     metrics = {k: float(v) for k, v in metrics.items()}
+    if not dist.is_main():  # rank 0 records the outcome; the others only report what it will say
+        return StageOutcome(ctx.stage, ctx.round_index, step, ctx.store.step_url(step), "", metrics, resumed_from)
     record = ctx.store.mark_final(
         step, {"identity": ctx.identity, "identity_tree": ctx.identity_tree, "metrics": metrics}
     )

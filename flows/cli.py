@@ -40,8 +40,12 @@ def check_inputs(config: Any) -> None:
     from rlflow.engine.checkpoint import RunLock
     from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
     from rlflow.engine.models import resolve_model_path
+    from rlflow.engine.placement import validate_placement, visible_gpu_count
     from rlflow.engine.scoring import load_function
 
+    validate_placement(
+        config.placement, config.rollout.mode, visible_gpu_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    )
     resolve_model_path(config.model.path)
     d = config.data
     for loader, url in (

@@ -7,26 +7,26 @@ fingerprints), so a re-run shows finished stages as Cached; the engine still che
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from typing import Any, Callable
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel, ConfigDict
 
-from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.checkpoint import CheckpointStore, model_location, stage_prefix
 from rlflow.engine.config import Config
 from rlflow.engine.metrics import ConsoleSink, FanoutSink
-from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
-from rlflow.engine.reward_model import run_reward_model_stage
+from rlflow.engine.backend import Runtime
+from rlflow.engine.ppo_stage import PPOInputs
 from rlflow.engine.round_stages import PAIRS_FILE, EvalInputs, run_eval_stage, run_label_stage
 from rlflow.engine.rollout import SamplingParams
 from rlflow.engine.scoring import load_function
-from rlflow.engine.sft import run_sft_stage
 from rlflow.engine.stage import StageContext, StageOutcome, set_threads
+from rlflow.engine.worker import StageCall, make_context, run_stage_call
+from rlflow.tasks.distributed import launch_training_stage
 from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
 
-STEP_URI = re.compile(r"^(?P<prefix>.+)/step_(?P<step>\d{6})/?$")
 PROGRESS_KEYS = {
     "sft": ("sft/loss", "sft/eval_loss", "sft/lr"),
     "rm": ("rm/loss", "rm/train_accuracy", "rm/accuracy"),
@@ -86,37 +86,33 @@ def output_exists(config: Config, result: StageResult) -> bool:
     return final is not None and final["manifest_sha256"] == result.manifest_sha256
 
 
-def model_location(uri_or_path: str, storage_options: dict[str, Any], prefix: str = "model") -> str:
-    """A committed step URI -> a local dir with its model; anything else is a model path as is."""
-    match = STEP_URI.match(uri_or_path)
-    if not match:
-        return uri_or_path
-    store = CheckpointStore(match["prefix"], storage_options)
-    return f"{store.local_dir(int(match['step']))}/{prefix}"
+def _call(config: Config, spec: StageSpec, **inputs: Any) -> StageCall:
+    prefix = stage_prefix(config.run.root, config.run.name, spec.round_index, spec.stage)
+    return StageCall(spec.stage, prefix, spec.round_index, spec.identity, spec.identity_tree, **inputs)
 
 
 def _run_tracked(
-    config: Config, spec: StageSpec, total_steps: int | None, body: Callable[[StageContext], StageOutcome]
+    config: Config,
+    spec: StageSpec,
+    total_steps: int | None,
+    body: Callable[[StageContext], StageOutcome] | None = None,
+    **inputs: Any,
 ) -> StageResult:
+    """Run a stage inside its MLflow child run. Training stages (no `body`) run their StageCall
+    in this process (torch backend) or as a distributed job (deepspeed); label and eval run
+    `body` in this process."""
     set_threads(config.run.threads)
     tracker = RunTracker(resolve_tracking_uri(config.tracking.uri, config.run.root), config.tracking.experiment)
     run_id = tracker.child_run(spec.parent_run_id, spec.round_index, spec.stage)
     console = ConsoleSink(f"round {spec.round_index} {spec.stage}", total_steps, PROGRESS_KEYS[spec.stage])
-    ctx = StageContext(
-        store=CheckpointStore(
-            stage_prefix(config.run.root, config.run.name, spec.round_index, spec.stage), config.run.storage_options
-        ),
-        stage=spec.stage,
-        round_index=spec.round_index,
-        seed=config.run.seed,
-        identity=spec.identity,
-        identity_tree=spec.identity_tree,
-        every_steps=config.checkpoint.every_steps,
-        keep_last=config.checkpoint.keep_last,
-        sink=FanoutSink(console, tracker.sink(run_id)),
-    )
+    sink, call = FanoutSink(console, tracker.sink(run_id)), _call(config, spec, **inputs)
     try:
-        outcome = body(ctx)
+        if body is not None:
+            outcome = body(make_context(config, call, sink, Runtime(config.engine)))
+        elif config.engine.backend == "deepspeed":
+            outcome = launch_training_stage(config, call, sink, get_run_logger())
+        else:
+            outcome = run_stage_call(make_context(config, call, sink), config, call)
     except BaseException:
         tracker.finish(run_id, "FAILED")
         raise
@@ -126,6 +122,8 @@ def _run_tracked(
             "rlflow.checkpoint_uri": outcome.checkpoint_uri,
             "rlflow.identity": spec.identity,
             "rlflow.resumed_from": "" if outcome.resumed_from is None else str(outcome.resumed_from),
+            "rlflow.backend": config.engine.backend if body is None else "torch",
+            "rlflow.world_size": str(config.resources.world_size if body is None else 1),
         },
     )
     tracker.finish(run_id, "FINISHED")
@@ -151,13 +149,7 @@ STAGE_TASK = dict(
 
 @task(name="sft", **STAGE_TASK)
 def sft_task(config: Config, spec: StageSpec, init_uri: str) -> StageResult:
-    so = config.run.storage_options
-    return _run_tracked(
-        config,
-        spec,
-        config.sft.max_steps,
-        lambda ctx: run_sft_stage(ctx, model_location(init_uri, so), config.model, config.sft, config.data),
-    )
+    return _run_tracked(config, spec, config.sft.max_steps, init_path=init_uri)
 
 
 @task(name="label", **STAGE_TASK)
@@ -183,14 +175,7 @@ def label_task(config: Config, spec: StageSpec, policy_uri: str) -> StageResult:
 @task(name="rm", **STAGE_TASK)
 def rm_task(config: Config, spec: StageSpec, init_uri: str, label_uris: list[str]) -> StageResult:
     extra = tuple(f"{uri}/{PAIRS_FILE}" for uri in label_uris)
-    return _run_tracked(
-        config,
-        spec,
-        None,
-        lambda ctx: run_reward_model_stage(
-            ctx, model_location(init_uri, config.run.storage_options), config.model, config.rm, config.data, extra
-        ),
-    )
+    return _run_tracked(config, spec, None, init_path=init_uri, extra_preferences=extra)
 
 
 def score_norm_of(rm: StageResult) -> tuple[float, float]:
@@ -200,24 +185,16 @@ def score_norm_of(rm: StageResult) -> tuple[float, float]:
 
 @task(name="ppo", **STAGE_TASK)
 def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
-    so = config.run.storage_options
-    ppo_inputs = PPOInputs(
-        policy=model_location(inputs["policy"], so),
-        reference=model_location(inputs["reference"], so),
-        sft=model_location(inputs["sft"], so),
-        reward_model=model_location(rm.checkpoint_uri, so),
+    ppo_inputs = PPOInputs(  # checkpoint URIs: each process resolves them to local directories
+        policy=inputs["policy"],
+        reference=inputs["reference"],
+        sft=inputs["sft"],
+        reward_model=rm.checkpoint_uri,
         score_norm=score_norm_of(rm),
-        critic=model_location(rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"], so),
+        critic=rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"],
     )
-    gold = load_function(config.gold.fn, "gold.fn")
-    return _run_tracked(
-        config,
-        spec,
-        config.ppo.steps,
-        lambda ctx: run_ppo_stage(
-            ctx, ppo_inputs, config.model, config.ppo, config.eval, config.data, config.checkpoint, gold
-        ),
-    )
+    load_function(config.gold.fn, "gold.fn")  # fail here, before any process starts, if it is missing
+    return _run_tracked(config, spec, config.ppo.steps, ppo_inputs=dataclasses.asdict(ppo_inputs))
 
 
 @task(name="eval", **STAGE_TASK)

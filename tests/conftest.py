@@ -163,3 +163,20 @@ def trained(small_assets, tmp_path_factory):
     sft_dir = f"{sft.checkpoint_uri}/model"
     rm = run_reward_model_stage(ctx("rm"), sft_dir, cfg.model, cfg.rm, cfg.data)
     return sft_dir, f"{rm.checkpoint_uri}/model", (rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"])
+
+
+class RecordingSink:
+    def __init__(self):
+        self.metrics, self.tables, self.texts = [], {}, {}
+
+    def log_metrics(self, metrics, step):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_table(self, name, rows):
+        self.tables[name] = rows
+
+    def log_text(self, name, text):
+        self.texts[name] = text
+
+    def series(self, key):
+        return [(s, m[key]) for s, m in self.metrics if key in m]

@@ -12,9 +12,10 @@ from rlflow.engine.algos import logprobs_from_logits
 from rlflow.engine.config import build_config
 from rlflow.engine.evaluation import ScoringModels, encode_prompt_set, evaluate_policy
 from rlflow.engine.data import load_prompts
-from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, token_logprobs
-from rlflow.engine.ppo import PPOModels, make_controller, make_ppo_optimizers, ppo_step
-from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
+from rlflow.engine.backend import Runtime
+from rlflow.engine.models import load_policy, load_tokenizer, token_logprobs
+from rlflow.engine.ppo import make_controller, ppo_step
+from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models, run_ppo_stage
 from rlflow.engine.rollout import SamplingParams, batched_logprobs, generate_rollouts
 from test_sft_rm import RecordingSink, make_ctx
 
@@ -60,20 +61,19 @@ def test_recomputed_logprobs_match_the_sampler_and_first_ratio_is_one(trained):
     assert (ratio - 1).abs().max().item() < 1e-6
 
 
-def _models(trained, gold):
+def _models(trained, gold, cfg=None):
     sft_dir, rm_dir, norm = trained
-    reference = load_policy(sft_dir).eval()
-    scoring = ScoringModels(load_scalar_model(rm_dir).eval(), norm, reference, reference, gold)
-    return PPOModels(load_policy(sft_dir), load_scalar_model(rm_dir, key="critic"), load_tokenizer(sft_dir), scoring)
+    cfg = cfg or build_config({}, "t")
+    return load_ppo_models(
+        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir), cfg.model, cfg.ppo, gold, Runtime()
+    )
 
 
 def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tmp_path):
     cfg = build_config(small_config_tree(small_assets, tmp_path), "t")
     models = _models(trained, boom)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-    metrics = ppo_step(
-        models, make_ppo_optimizers(models, cfg.ppo), make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1
-    )
+    metrics = ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, generate_batch=32)
     for key in (
         "actor/pg_loss",
         "actor/pg_clipfrac",
@@ -98,7 +98,7 @@ def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tm
     )
     few = type(prompts)(prompts.records[:8], prompts.token_ids[:8])
     result, rows = evaluate_policy(
-        models.actor, models.tokenizer, few, counting, SamplingParams(max_new_tokens=8), seed=0, n_samples=3
+        models.actor.model, models.tokenizer, few, counting, SamplingParams(max_new_tokens=8), seed=0, n_samples=3
     )
     assert len(calls) == 8 and result["eval/gold_score"] == pytest.approx(0.5) and len(rows) == 3
 
@@ -136,7 +136,7 @@ def test_ppo_raises_reward_model_score(trained, small_assets, tmp_path):
     models = _models(trained, boom_free_gold)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.eval_prompts), 32, "truncate", "prompts")
     sampling = SamplingParams(max_new_tokens=cfg.ppo.max_new_tokens)
-    before, _ = evaluate_policy(models.actor, models.tokenizer, prompts, models.scoring, sampling, seed=1)
+    before, _ = evaluate_policy(models.actor.model, models.tokenizer, prompts, models.scoring, sampling, seed=1)
     after, _ = evaluate_policy(
         load_policy(f"{outcome.checkpoint_uri}/model"), models.tokenizer, prompts, models.scoring, sampling, seed=1
     )
@@ -187,15 +187,16 @@ def test_keep_best_protects_the_best_evaluated_step_from_pruning(trained, small_
 
 def test_critic_warmup_updates_only_the_critic(trained, small_assets, tmp_path):
     cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={"critic_warmup_steps": 1}), "t")
-    models = _models(trained, boom)
+    models = _models(trained, boom, cfg)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-    actor_before = {k: v.clone() for k, v in models.actor.state_dict().items()}
-    critic_before = {k: v.clone() for k, v in models.critic.state_dict().items()}
-    optimizers, controller = make_ppo_optimizers(models, cfg.ppo), make_controller(cfg.ppo)
-    warm = ppo_step(models, optimizers, controller, cfg.ppo, prompts, 0, 0, step=1)
+    actor, critic = models.actor.model, models.critic.model
+    actor_before = {k: v.clone() for k, v in actor.state_dict().items()}
+    critic_before = {k: v.clone() for k, v in critic.state_dict().items()}
+    controller = make_controller(cfg.ppo)
+    warm = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step=1, generate_batch=32)
     assert "actor/pg_loss" not in warm and "critic/vf_loss" in warm and warm["timing_s/update_critic"] > 0
-    assert all(torch.equal(v, models.actor.state_dict()[k]) for k, v in actor_before.items())
-    assert not all(torch.equal(v, models.critic.state_dict()[k]) for k, v in critic_before.items())
-    after = ppo_step(models, optimizers, controller, cfg.ppo, prompts, 0, 0, step=2)
+    assert all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())
+    assert not all(torch.equal(v, critic.state_dict()[k]) for k, v in critic_before.items())
+    after = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step=2, generate_batch=32)
     assert "actor/pg_loss" in after
-    assert not all(torch.equal(v, models.actor.state_dict()[k]) for k, v in actor_before.items())
+    assert not all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())

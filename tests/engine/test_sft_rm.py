@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import small_config_tree
+from conftest import RecordingSink, small_config_tree
 from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import build_config
 from rlflow.engine.errors import CheckpointError
@@ -15,23 +15,6 @@ from rlflow.engine.models import load_policy, load_scalar_model
 from rlflow.engine.reward_model import bradley_terry_loss, run_reward_model_stage
 from rlflow.engine.sft import run_sft_stage
 from rlflow.engine.stage import StageContext
-
-
-class RecordingSink:
-    def __init__(self):
-        self.metrics, self.tables, self.texts = [], {}, {}
-
-    def log_metrics(self, metrics, step):
-        self.metrics.append((step, dict(metrics)))
-
-    def log_table(self, name, rows):
-        self.tables[name] = rows
-
-    def log_text(self, name, text):
-        self.texts[name] = text
-
-    def series(self, key):
-        return [(s, m[key]) for s, m in self.metrics if key in m]
 
 
 def make_ctx(root, stage, identity="id-1", every=10, sink=None):

@@ -1,6 +1,7 @@
 from prefect.serializers import JSONSerializer
 
-from rlflow.tasks.stages import STEP_URI, StageResult, model_location
+from rlflow.engine.checkpoint import STEP_URI, model_location
+from rlflow.tasks.stages import StageResult
 
 
 def test_stage_result_round_trips_through_prefects_json_serializer():

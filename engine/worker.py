@@ -1,0 +1,123 @@
+"""Run one training stage: in this process (torch backend) or as every rank of a distributed job.
+
+`python -m rlflow.engine.worker SPEC.json` is what the launcher starts on each rank. The spec
+holds the config with secrets redacted (their values come from $RLFLOW_SECRETS), the stage's
+identity and its inputs; rank 0 reports metrics as event lines on stdout and writes the outcome
+to the spec's `outcome_path`. The same `run_stage_call` serves the in-process path, so the two
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlflow.engine import dist
+from rlflow.engine.backend import Runtime, make_runtime
+from rlflow.engine.checkpoint import CheckpointStore, model_location
+from rlflow.engine.config import Config, build_config, merge_trees
+from rlflow.engine.metrics import EventSink, NullSink
+from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
+from rlflow.engine.reward_model import run_reward_model_stage
+from rlflow.engine.scoring import load_function
+from rlflow.engine.sft import run_sft_stage
+from rlflow.engine.stage import StageContext, StageOutcome, set_threads
+
+SECRETS_ENV = "RLFLOW_SECRETS"  # JSON tree of the config's secret values; never written to a file
+TRAINING_STAGES = ("sft", "rm", "ppo")
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One training stage to run, in JSON-friendly fields."""
+
+    stage: str  # one of TRAINING_STAGES
+    store_url: str  # the stage's checkpoint prefix
+    round_index: int
+    identity: str
+    identity_tree: dict[str, Any]
+    init_path: str = ""  # sft, rm: the model to start from (a directory or a committed step URI)
+    extra_preferences: tuple[str, ...] = ()  # rm: online-labelled pairs
+    ppo_inputs: dict[str, Any] = field(default_factory=dict)  # ppo: PPOInputs fields (step URIs allowed)
+
+
+def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | None = None) -> StageContext:
+    """The stage's context; `runtime` defaults to the configured backend's."""
+    return StageContext(
+        store=CheckpointStore(call.store_url, config.run.storage_options),
+        stage=call.stage,
+        round_index=call.round_index,
+        seed=config.run.seed,
+        identity=call.identity,
+        identity_tree=call.identity_tree,
+        every_steps=config.checkpoint.every_steps,
+        keep_last=config.checkpoint.keep_last,
+        consolidate_every=config.checkpoint.consolidate_every,
+        sink=sink,
+        runtime=runtime or make_runtime(config.engine),
+    )
+
+
+def run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageOutcome:
+    """Run a training stage; model inputs given as checkpoint step URIs are fetched to this
+    machine's cache first (every node of a job resolves its own)."""
+    so = config.run.storage_options
+    if call.stage == "sft":
+        return run_sft_stage(ctx, model_location(call.init_path, so), config.model, config.sft, config.data)
+    if call.stage == "rm":
+        init = model_location(call.init_path, so)
+        return run_reward_model_stage(ctx, init, config.model, config.rm, config.data, call.extra_preferences)
+    if call.stage == "ppo":
+        fields = {k: (v if k == "score_norm" else model_location(v, so)) for k, v in call.ppo_inputs.items()}
+        inputs = PPOInputs(**{**fields, "score_norm": tuple(call.ppo_inputs["score_norm"])})
+        gold = load_function(config.gold.fn, "gold.fn")
+        return run_ppo_stage(
+            ctx,
+            inputs,
+            config.model,
+            config.ppo,
+            config.eval,
+            config.data,
+            config.checkpoint,
+            gold,
+            config.rollout.generate_batch,
+        )
+    raise ValueError(f"unknown training stage {call.stage!r}; valid: {', '.join(TRAINING_STAGES)}")
+
+
+def write_spec(path: str, public_config: dict[str, Any], call: StageCall, outcome_path: str) -> None:
+    """The spec file a worker reads (owner-only permissions; secrets are not in it)."""
+    spec = {"config": public_config, "call": dataclasses.asdict(call), "outcome_path": outcome_path}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    secrets = json.loads(os.environ.get(SECRETS_ENV) or "{}")
+    config = build_config(merge_trees(spec["config"], secrets), spec_path)
+    call = StageCall(**{**spec["call"], "extra_preferences": tuple(spec["call"]["extra_preferences"])})
+    set_threads(int(os.environ.get("OMP_NUM_THREADS") or config.run.threads))
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # the process group does not exist yet
+    ctx = make_context(config, call, EventSink() if main_rank else NullSink())
+    outcome = run_stage_call(ctx, config, call)
+    if dist.is_main():
+        tmp = spec["outcome_path"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(outcome), f)
+        os.replace(tmp, spec["outcome_path"])
+    ctx.runtime.close()
+
+
+if __name__ == "__main__":
+    from rlflow.engine.launch import line_buffered_output, record_failures
+
+    line_buffered_output()
+    with record_failures():
+        main(sys.argv[1])

@@ -1,0 +1,57 @@
+"""Running a training stage as a distributed job from a Prefect task (engine.backend: deepspeed).
+
+The task writes a spec, starts the launcher (torchrun or DeepSpeed's) with `rlflow.engine.worker`
+on every rank, streams the ranks' output into the task's logger, replays rank 0's metric events
+into the stage's sinks (console, MLflow), and reads rank 0's outcome back. Any rank failing
+raises DistributedJobError with that rank's last log lines, which fails the task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from rlflow.engine.config import Config, split_secrets
+from rlflow.engine.launch import build_launch_command, free_port, rank_env, run_distributed
+from rlflow.engine.metrics import MetricsSink, replay_event
+from rlflow.engine.stage import StageOutcome
+from rlflow.engine.worker import SECRETS_ENV, StageCall, write_spec
+
+WORKER_MODULE = "rlflow.engine.worker"
+
+
+def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, logger: Any) -> StageOutcome:
+    """Run `call` on `config.resources` ranks; return rank 0's outcome."""
+    resources = config.resources
+    public, secret = split_secrets(config.model_dump(mode="json"))
+    with tempfile.TemporaryDirectory(prefix=f"rlflow-{call.stage}-") as work:
+        spec_path, outcome_path = os.path.join(work, "spec.json"), os.path.join(work, "outcome.json")
+        write_spec(spec_path, public, call, outcome_path)
+        command = build_launch_command(
+            resources,
+            WORKER_MODULE,
+            [spec_path],
+            resources.master_port or free_port(),
+            log_dir=os.path.join(work, "logs"),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
+        env = rank_env(dict(os.environ), resources.nproc_per_node, os.cpu_count() or 1)
+        env[SECRETS_ENV] = json.dumps(secret)  # the environment, never the spec file or argv
+        logger.info(
+            "round %d %s: launching %d rank(s): %s",
+            call.round_index,
+            call.stage,
+            resources.world_size,
+            " ".join(command),
+        )
+
+        def on_line(rank: int | None, text: str) -> None:
+            if not replay_event(text, sink) and text.strip():
+                logger.info("[rank %s] %s", "?" if rank is None else rank, text)
+
+        run_distributed(command, env, on_line)
+        with open(outcome_path) as f:
+            outcome = json.load(f)
+    return StageOutcome(**outcome)
