@@ -42,3 +42,15 @@ vllm-env:
 	.venv-vllm/bin/pip install -q torch==2.13.0
 	.venv-vllm/bin/pip install -r requirements-vllm.txt
 	.venv-vllm/bin/pip install --no-deps -e .
+
+# Wheels the GPU check needs on a machine without network (Python 3.12, its own torch and
+# transformers): carry .gpu-wheels/ with the device tool and run infra/gpu_check.sh there.
+.PHONY: gpu-wheels
+gpu-wheels: install
+	rm -rf .gpu-wheels && mkdir -p .gpu-wheels
+	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .gpu-wheels
+	$(PY) -m pip download -q --no-deps -d .gpu-wheels hjson==3.1.0 py-cpuinfo==9.0.0 einops==0.8.2 \
+		annotated-types==0.8.0 typing-inspection==0.4.5 pydantic==2.14.4 fsspec==2026.9.0
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 -d .gpu-wheels msgpack==1.2.4 pydantic-core==2.50.5 \
+		safetensors==0.8.0 pyyaml==6.0.4 ninja==1.13.2

@@ -14,6 +14,7 @@ not that when lengths differ).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,10 +182,40 @@ class Runtime:
         """Positions of this rank's rows (of these token lengths) grouped into micro-batches."""
         return micro_batch_groups(lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch)
 
+    def packed_micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """As micro_batches, for rows that will be packed (the budget counts real tokens only)."""
+        return micro_batch_groups(lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch, packed=True)
+
+    def inference(self) -> contextlib.AbstractContextManager:
+        """For rollout, reference and reward passes: torch.inference_mode (no autograd records, no
+        version counters). ZeRO-3 gets no_grad instead: its hooks gather weights into the
+        parameters during forward, and an inference-mode tensor there would poison training."""
+        return (
+            torch.no_grad() if self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3 else torch.inference_mode()
+        )
+
+    @contextlib.contextmanager
+    def onloaded(self, *models: nn.Module) -> Iterator[None]:
+        """With engine.offload_frozen_models on a GPU, frozen models (reference, reward) live in CPU
+        memory and come to the GPU only for the rollout-and-scoring phase, leaving the update phase
+        their memory. A no-op on the CPU and under ZeRO-3 (engine.offload_params covers that)."""
+        active = self.cfg.offload_frozen_models and self.device.type == "cuda" and self.cfg.zero_stage != 3
+        if not active:
+            yield
+            return
+        for model in models:
+            model.to(self.device)
+        try:
+            yield
+        finally:
+            for model in models:
+                model.to("cpu")
+            torch.cuda.empty_cache()
+
     def _prepare(self, model: nn.Module) -> nn.Module:
         if self.cfg.gradient_checkpointing:
             # Non-reentrant checkpointing works with frozen inputs and keyword arguments.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         return model
 
     def trainable(self, name: str, load: Callable[[], nn.Module], optim: OptimSpec) -> TrainEngine:

@@ -77,12 +77,15 @@ def rank_shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
     return list(indices[rank::world_size])
 
 
-def micro_batch_groups(lengths: Sequence[int], max_rows: int | None, max_tokens: int | None) -> list[list[int]]:
+def micro_batch_groups(
+    lengths: Sequence[int], max_rows: int | None, max_tokens: int | None, packed: bool = False
+) -> list[list[int]]:
     """Cut positions 0..n-1 into micro-batches.
 
-    max_tokens: dynamic batch size; rows sorted by length are packed while the micro-batch's
-    padded size (rows x longest row) stays within the budget (a longer row goes alone), so short
-    rows travel many to a pass and long ones few. max_rows caps rows per micro-batch either way;
+    max_tokens: dynamic batch size; rows sorted by length are grouped while the micro-batch's
+    size stays within the budget (a longer row goes alone), so short rows travel many to a pass
+    and long ones few. The size is rows x longest row when padded, the sum of lengths when
+    `packed` (rows concatenated without padding). max_rows caps rows per micro-batch either way;
     neither set: one micro-batch holding everything.
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if max_tokens else list(range(len(lengths)))
@@ -90,8 +93,9 @@ def micro_batch_groups(lengths: Sequence[int], max_rows: int | None, max_tokens:
     current: list[int] = []
     for i in order:
         widest = max([lengths[j] for j in current] + [lengths[i]])
+        size = sum(lengths[j] for j in current) + lengths[i] if packed else widest * (len(current) + 1)
         too_many = max_rows is not None and len(current) >= max_rows
-        too_big = max_tokens is not None and widest * (len(current) + 1) > max_tokens
+        too_big = max_tokens is not None and size > max_tokens
         if current and (too_many or too_big):
             groups.append(current)
             current = []
@@ -99,3 +103,29 @@ def micro_batch_groups(lengths: Sequence[int], max_rows: int | None, max_tokens:
     if current:
         groups.append(current)
     return groups
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows concatenated into one padding-free row; attention stays within each row because
+    position ids restart at 0 (transformers builds a block-diagonal causal mask from them when
+    no attention mask is given). N rows, T = their total length."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T] 0..len-1 per row
+    response_mask: torch.Tensor  # [1, T] float, 1 on response tokens
+    ends: torch.Tensor  # [N] position of each row's last token
+
+
+def pack_rows(rows: Sequence[PromptResponseIds]) -> PackedRows:
+    ids, positions, mask, ends, total = [], [], [], [], 0
+    for r in rows:
+        n = len(r.prompt) + len(r.response)
+        ids += r.prompt + r.response
+        positions += range(n)
+        mask += [0.0] * len(r.prompt) + [1.0] * len(r.response)
+        total += n
+        ends.append(total - 1)
+    return PackedRows(
+        torch.tensor([ids]), torch.tensor([positions]), torch.tensor([mask]), torch.tensor(ends, dtype=torch.long)
+    )

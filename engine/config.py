@@ -182,6 +182,8 @@ class EngineConfig(Section):
     micro_batch_size: int | None = Field(None, ge=1)  # rows per forward pass per rank; None: all at once
     # Padding-free dynamic batching: micro-batches hold at most this many real tokens per rank.
     max_tokens_per_microbatch: int | None = Field(None, ge=8)
+    # SFT and reward model: concatenate a micro-batch's sequences into one row (no padding at all).
+    packing: bool = False
     gradient_checkpointing: bool = False
     offload_frozen_models: bool = False  # reference and reward models wait in CPU memory between phases
 
@@ -214,7 +216,7 @@ class RolloutConfig(Section):
     mode: Literal["colocated", "server"] = "colocated"
     server_backend: Literal["hf", "vllm"] = "hf"
     generate_batch: int = Field(32, ge=1)  # prompts sampled together under one seed (world-size independent)
-    bucket_mb: int = Field(256, ge=1)  # weight-sync bucket size
+    bucket_mb: float = Field(256.0, gt=0)  # weight-sync bucket size (MB)
     check_fingerprint: bool = True
     probe_rows: int = Field(4, ge=1)  # worker samples whose log-probs the trainer recomputes after a sync
     max_logprob_diff: float = Field(1e-3, gt=0)  # nats per token; above it the run stops

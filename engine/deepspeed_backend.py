@@ -198,6 +198,8 @@ class DeepSpeedRuntime(Runtime):
             model = deepspeed.initialize(model=model, config=config)[0].module
         elif self.bf16:
             model = model.to(torch.bfloat16)
+        if self.cfg.offload_frozen_models and self.cfg.zero_stage != 3:
+            return model.eval()  # on the CPU until Runtime.onloaded brings it over
         return model.to(self.device).eval()
 
     def generate_kwargs(self) -> dict[str, Any]:

@@ -201,12 +201,19 @@ def token_logprobs(
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
 
-def _per_token_values(self: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any) -> torch.Tensor:
+def _per_token_values(
+    self: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """[B, T] values; packed rows: attention_mask None and position_ids restarting per sequence."""
     backbone = getattr(self, self.base_model_prefix)
     hidden = backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=position_ids_from_mask(attention_mask) if attention_mask is not None else position_ids,
         use_cache=False,
     ).last_hidden_state
     return scalar_head(self)(hidden).squeeze(-1).float()

@@ -85,3 +85,12 @@ def validate_placement(
                 f" ({cvd}), but rollout.mode=colocated samples on the training GPUs: make them equal"
                 " (or remove placement.rollout), or use rollout.mode=server"
             )
+
+
+def devices_for(indices: list[int] | None, cuda_visible_devices: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a role's processes: its indices (relative to the GPUs this process
+    sees) mapped to the ids the parent was given; None (no placement): inherit the parent's."""
+    if indices is None:
+        return None
+    visible = [d.strip() for d in cuda_visible_devices.split(",")] if cuda_visible_devices else None
+    return ",".join(visible[i] if visible else str(i) for i in indices)

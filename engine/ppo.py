@@ -31,6 +31,7 @@ from rlflow.engine.batching import batch_indices
 from rlflow.engine.config import PPOConfig
 from rlflow.engine.evaluation import PromptSet, ScoringModels, evaluate_policy, normalised_scores
 from rlflow.engine.models import token_logprobs, token_values
+from rlflow.engine.rollout_service import RolloutService
 from rlflow.engine.rollout import (
     RolloutBatch,
     SamplingParams,
@@ -64,6 +65,7 @@ class PPOModels:
     tokenizer: Any
     scoring: ScoringModels  # reward model, reference, SFT policy, gold (evaluation only)
     runtime: Runtime
+    rollout: RolloutService | None = None  # rollout.mode=server: samples come from a worker process
 
 
 def sampling_params(cfg: PPOConfig) -> SamplingParams:
@@ -80,6 +82,43 @@ def _score_chunk(models: PPOModels, cfg: PPOConfig, batch: RolloutBatch) -> list
         batched_values(models.critic.forward, batch, chunk=rows),
         normalised_scores(models.scoring.reward_model, batch, models.scoring.score_norm, rows),
     ]
+
+
+def _sample_and_score(
+    models: PPOModels,
+    cfg: PPOConfig,
+    prompts: list[tuple[int, ...]],
+    c: int,
+    real: bool,
+    served: dict[int, RolloutBatch] | None,
+    generate_batch: int,
+    seed: int,
+    batches: list,
+    scored: list,
+    checks: list,
+) -> float:
+    """Sample (or take the worker's samples of) chunk c and score it; keep it if `real`.
+    Returns the seconds spent sampling."""
+    started = time.monotonic()
+    if served is not None:
+        batch = served[c]
+    else:
+        batch = generate_rollouts(
+            models.actor.model,
+            models.tokenizer,
+            prompts[c * generate_batch : (c + 1) * generate_batch],
+            sampling_params(cfg),
+            step_seed(seed, c),
+            **models.runtime.generate_kwargs(),
+        )
+    sampled_s = time.monotonic() - started
+    parts = _score_chunk(models, cfg, batch)
+    if real:
+        batches.append(batch)
+        scored.append(parts)
+        if models.rollout is not None:  # PPO's old log-probs double as the weight-sync probe
+            checks.append(models.rollout.check(c, parts[0], batch.response_mask))
+    return sampled_s
 
 
 def make_experience(
@@ -99,22 +138,22 @@ def make_experience(
     """
     t0 = time.monotonic()
     pad, params = models.tokenizer.pad_token_id, sampling_params(cfg)
-    batches, scored, gen_s = [], [], 0.0
-    for c, real in dist.rank_chunks(len(prompts), generate_batch):
-        started = time.monotonic()
-        batch = generate_rollouts(
-            models.actor.model,
-            models.tokenizer,
-            prompts[c * generate_batch : (c + 1) * generate_batch],
-            params,
-            step_seed(seed, c),
-            **models.runtime.generate_kwargs(),
-        )
-        gen_s += time.monotonic() - started
-        parts = _score_chunk(models, cfg, batch)
-        if real:
-            batches.append(batch)
-            scored.append(parts)
+    served: dict[int, RolloutBatch] | None = None
+    if models.rollout is not None:
+        n_chunks = -(-len(prompts) // generate_batch)
+        spans = [
+            (c, prompts[c * generate_batch : (c + 1) * generate_batch], step_seed(seed, c)) for c in range(n_chunks)
+        ]
+        served = models.rollout.sample_chunks(spans, params)
+    batches, scored, checks, gen_s = [], [], [], time.monotonic() - t0
+    frozen = (models.scoring.reference, models.scoring.reward_model)
+    with models.runtime.inference(), models.runtime.onloaded(*frozen):
+        for c, real in dist.rank_chunks(len(prompts), generate_batch):
+            gen_s += _sample_and_score(
+                models, cfg, prompts, c, real, served, generate_batch, seed, batches, scored, checks
+            )
+    if models.rollout is not None:
+        timings.update(models.rollout.metrics(checks))
     local = merge_rollouts(batches, pad)
     n, gather = len(prompts), lambda t, value=0.0, left=False: dist.gather_chunked(t, n, generate_batch, value, left)
     width = local.prompt_width
@@ -254,6 +293,8 @@ def ppo_step(
     metrics.update(
         ppo_update(models, exp, cfg, step > cfg.critic_warmup_steps, step_seed(seed, round_index, step, 5), timings)
     )
+    if models.rollout is not None:  # the worker samples the next step with the updated actor
+        timings.update(models.rollout.sync(models.actor))
     kl_controller.update(metrics["actor/kl"], cfg.rollout_batch)
     timings["timing_s/step"] = time.monotonic() - started
     timings["timing_s/other"] = timings["timing_s/step"] - sum(v for k, v in timings.items() if k != "timing_s/step")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlflow.engine.config import CheckpointConfig, DataConfig, EvalConfig, ModelConfig, PPOConfig
+from rlflow.engine.config import CheckpointConfig, DataConfig, EvalConfig, ModelConfig, PPOConfig, RolloutConfig
 from rlflow.engine.data import load_prompts
 from rlflow.engine.evaluation import PromptSet, ScoringModels, encode_prompt_set
+from rlflow.engine import dist
 from rlflow.engine.backend import OptimSpec, Runtime
+from rlflow.engine.rollout_service import RolloutService
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_kwargs
 from rlflow.engine.ppo import PPOModels, make_controller, ppo_step, run_evaluation
 from rlflow.engine.stage import (
@@ -83,7 +87,8 @@ def run_ppo_stage(
     data: DataConfig,
     checkpoint: CheckpointConfig,
     gold: Callable[..., Any],
-    generate_batch: int = 32,
+    rollout: RolloutConfig = RolloutConfig(),
+    rollout_devices: str | None = None,
 ) -> StageOutcome:
     """Run `cfg.steps` PPO steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible."""
     if (done := completed_outcome(ctx)) is not None:
@@ -103,36 +108,47 @@ def run_ppo_stage(
         seed = step_seed(ctx.seed, ctx.round_index, 7)
         return run_evaluation(models, eval_prompts, cfg, seed, eval_cfg.batch_size, eval_cfg.num_logged_samples)
 
-    started, metrics = time.monotonic(), {}
-    while step < cfg.steps and not state["stopped_by_kl"]:
-        step += 1
-        fault_point("ppo", "step", step)
-        metrics = ppo_step(models, controller, cfg, prompts, ctx.seed, ctx.round_index, step, generate_batch)
-        state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
-        metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
-        last = step >= cfg.steps or state["stopped_by_kl"]
-        if step % eval_cfg.every_steps == 0 or last:
-            eval_metrics, samples = evaluate()
-            metrics.update(eval_metrics)
-            _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
-            if last:
-                ctx.sink.log_table("eval_samples.json", samples)
-        metrics["timing_s/elapsed"] = time.monotonic() - started
-        if step % cfg.log_every == 0 or last:
-            ctx.sink.log_metrics(metrics, step)
-        if step % ctx.every_steps == 0 or last or state["best_step"] == step:
-            save_checkpoint(
-                ctx,
-                step,
-                {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
-                {
-                    "kl_controller": controller.state_dict(),
-                    "ppo_state": dict(state),
-                    "data_position": {"prompts_seen": step * cfg.rollout_batch},
-                },
-                should_consolidate(ctx, step, last) or state["best_step"] == step,
-                protect={state["best_step"]} if state["best_step"] else set(),
+    if rollout.mode == "server":
+        log_path = os.path.join(tempfile.gettempdir(), f"rlflow-rollout-{ctx.identity[:12]}-rank{dist.rank()}.log")
+        models.rollout = RolloutService.start(
+            rollout, inputs.policy, models.tokenizer, models.actor, log_path, rollout_devices
+        )
+    try:
+        started, metrics = time.monotonic(), {}
+        while step < cfg.steps and not state["stopped_by_kl"]:
+            step += 1
+            fault_point("ppo", "step", step)
+            metrics = ppo_step(
+                models, controller, cfg, prompts, ctx.seed, ctx.round_index, step, rollout.generate_batch
             )
+            state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
+            metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
+            last = step >= cfg.steps or state["stopped_by_kl"]
+            if step % eval_cfg.every_steps == 0 or last:
+                eval_metrics, samples = evaluate()
+                metrics.update(eval_metrics)
+                _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
+                if last:
+                    ctx.sink.log_table("eval_samples.json", samples)
+            metrics["timing_s/elapsed"] = time.monotonic() - started
+            if step % cfg.log_every == 0 or last:
+                ctx.sink.log_metrics(metrics, step)
+            if step % ctx.every_steps == 0 or last or state["best_step"] == step:
+                save_checkpoint(
+                    ctx,
+                    step,
+                    {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
+                    {
+                        "kl_controller": controller.state_dict(),
+                        "ppo_state": dict(state),
+                        "data_position": {"prompts_seen": step * cfg.rollout_batch},
+                    },
+                    should_consolidate(ctx, step, last) or state["best_step"] == step,
+                    protect={state["best_step"]} if state["best_step"] else set(),
+                )
+    finally:
+        if models.rollout is not None:
+            models.rollout.close()
     if "eval/gold_score" not in metrics:  # resumed exactly at the last step: evaluate its policy
         eval_metrics, samples = evaluate()
         metrics.update(eval_metrics)

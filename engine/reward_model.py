@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from rlflow.engine import dist
 from rlflow.engine.backend import LossParts, OptimSpec, TrainEngine
-from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, rank_shard, right_pad
+from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, pack_rows, rank_shard, right_pad
 from rlflow.engine.config import DataConfig, ModelConfig, RewardModelConfig
 from rlflow.engine.data import PreferencePair, load_preference_pairs, load_sft_examples
 from rlflow.engine.models import load_scalar_model, load_tokenizer, model_kwargs, sequence_scores
@@ -44,9 +44,14 @@ def _pair_rows(
     ]
 
 
-def _score_pairs(model, rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids, attention, _ = right_pad([c for c, _ in rows] + [r for _, r in rows], pad_id)
-    scores = sequence_scores(model, ids, attention)
+def _score_pairs(model, rows, pad_id: int, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [N] of the chosen and of the rejected answers of N pairs (padded, or packed in one row)."""
+    sequences = [c for c, _ in rows] + [r for _, r in rows]
+    if packed:
+        batch = pack_rows(sequences)
+        scores = model(input_ids=batch.input_ids, attention_mask=None, position_ids=batch.position_ids)[0, batch.ends]
+    else:
+        scores = sequence_scores(model, *right_pad(sequences, pad_id)[:2])
     return scores[: len(rows)], scores[len(rows) :]
 
 
@@ -93,14 +98,17 @@ def rm_train_step(engine: TrainEngine, runtime, rows, pad_id: int, batch_size: i
     """One optimizer step of the Bradley-Terry loss averaged over every pair of global batch `step`."""
     indices = batch_indices(len(rows), batch_size, step, ctx.seed, ctx.round_index, 2)
     mine = [rows[j] for j in rank_shard(indices, dist.rank(), dist.world_size())]
-    # A pair is two sequences padded to the longer one: it costs twice that in the token budget.
-    groups = runtime.micro_batches(
-        [2 * max(len(c.prompt) + len(c.response), len(r.prompt) + len(r.response)) for c, r in mine]
-    )
+    packed = runtime.cfg.packing
+    if packed:  # a pair costs its two sequences' real tokens
+        groups = runtime.packed_micro_batches([sum(len(x.prompt) + len(x.response) for x in pair) for pair in mine])
+    else:  # a pair is two sequences padded to the longer one: twice that in the token budget
+        groups = runtime.micro_batches(
+            [2 * max(len(c.prompt) + len(c.response), len(r.prompt) + len(r.response)) for c, r in mine]
+        )
     batches = [[mine[j] for j in g] for g in groups]
 
     def loss_fn(model, pairs) -> LossParts:
-        chosen, rejected = _score_pairs(model, pairs, pad_id)
+        chosen, rejected = _score_pairs(model, pairs, pad_id, packed)
         margin = (chosen - rejected).detach()
         return LossParts(
             bradley_terry_loss(chosen, rejected).sum(),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,35 @@ class RolloutBatch:
             self.prompt_width,
             tuple(self.response_texts[i] for i in index.tolist()),
         )
+
+
+def sampling_config(params: SamplingParams, pad_token_id: int, eos_token_id: int, **extra: Any) -> GenerationConfig:
+    """A complete GenerationConfig: tokens must come from exactly softmax(logits / T), the
+    distribution the PPO ratio and the KL penalty are computed against - never from the
+    checkpoint's own settings (a repetition penalty, top_k, a min length...). `extra`: output
+    options (e.g. output_logits for a rollout worker's log-probs)."""
+    return GenerationConfig(
+        do_sample=True,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0,
+        max_new_tokens=params.max_new_tokens,
+        use_cache=True,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        **extra,
+    )
+
+
+@contextlib.contextmanager
+def blank_generation_config(model: torch.nn.Module) -> Iterator[None]:
+    """generate() fills every field a config leaves unset from the model's own generation config:
+    give it a blank one meanwhile."""
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 def merge_rollouts(parts: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -93,24 +124,9 @@ def generate_rollouts(
     was_training = policy.training
     policy.eval()
     torch.manual_seed(seed)
-    # A complete GenerationConfig replaces the checkpoint's own (which may carry a repetition
-    # penalty, top_k, min length...): tokens must come from exactly softmax(logits / T), the
-    # distribution the PPO ratio and the KL penalty are computed against.
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=0,
-        max_new_tokens=params.max_new_tokens,
-        use_cache=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    checkpoint_config, policy.generation_config = policy.generation_config, GenerationConfig()
-    try:  # generate() fills every unset field from the model's config: give it a blank one
+    with blank_generation_config(policy):
+        config = sampling_config(params, tokenizer.pad_token_id, tokenizer.eos_token_id)
         out = policy.generate(input_ids=ids, attention_mask=attention, generation_config=config, **generate_kwargs)
-    finally:
-        policy.generation_config = checkpoint_config
     policy.train(was_training)
     response = out[:, ids.shape[1] :]
     mask = response_mask_from_ids(response, tokenizer.eos_token_id)

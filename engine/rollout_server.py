@@ -130,6 +130,7 @@ class RolloutClient:
         dtype: str = "float32",
         log_path: str | None = None,
         trust_remote_code: bool = False,
+        cuda_visible_devices: str | None = None,
     ) -> RolloutClient:
         """Spawn a worker on `model_dir` and wait until it has loaded the model.
 
@@ -166,6 +167,8 @@ class RolloutClient:
         command += ["--parent-pid", str(os.getpid()), "--dtype", dtype, "--threads", str(threads)]
         command += ["--trust-remote-code"] if trust_remote_code else []
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        if cuda_visible_devices is not None:  # placement.rollout: the worker's own GPUs
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env

@@ -207,30 +207,23 @@ class HFBackend:
     def generate(self, request: GenerateRequest) -> GenerateResult:
         from rlflow.engine.algos import logprobs_from_logits
         from rlflow.engine.batching import left_pad
-        from rlflow.engine.rollout import response_mask_from_ids
-        from transformers import GenerationConfig
+        from rlflow.engine.rollout import (
+            SamplingParams,
+            blank_generation_config,
+            response_mask_from_ids,
+            sampling_config,
+        )
 
         ids, attention = left_pad(request.prompts, request.pad_token_id)
         torch.manual_seed(request.seed)
-        # The same complete GenerationConfig as generate_rollouts (see the reason there), plus the
-        # raw per-step logits: log-probs of the tokens this sampler actually drew.
-        config = GenerationConfig(
-            do_sample=True,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=0,
-            max_new_tokens=request.max_new_tokens,
-            use_cache=True,
-            pad_token_id=request.pad_token_id,
-            eos_token_id=request.eos_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+        # The sampling config of generate_rollouts, plus the raw per-step logits: log-probs of the
+        # tokens this sampler actually drew.
+        params = SamplingParams(request.temperature, request.top_p, request.max_new_tokens)
+        config = sampling_config(
+            params, request.pad_token_id, request.eos_token_id, output_logits=True, return_dict_in_generate=True
         )
-        checkpoint_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
-        try:
+        with blank_generation_config(self.model):
             out = self.model.generate(input_ids=ids, attention_mask=attention, generation_config=config)
-        finally:
-            self.model.generation_config = checkpoint_config
         response = out.sequences[:, ids.shape[1] :]
         logits = torch.stack(out.logits, 1)[:, : response.shape[1]].float() / request.temperature
         logprobs = logprobs_from_logits(logits, response)

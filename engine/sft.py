@@ -7,7 +7,15 @@ import time
 import torch
 from rlflow.engine import dist
 from rlflow.engine.backend import LossParts, OptimSpec, Runtime, TrainEngine
-from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair, rank_shard, right_pad
+from rlflow.engine.batching import (
+    PackedRows,
+    PromptResponseIds,
+    batch_indices,
+    encode_pair,
+    pack_rows,
+    rank_shard,
+    right_pad,
+)
 from rlflow.engine.config import DataConfig, ModelConfig, SFTConfig
 from rlflow.engine.data import load_sft_examples
 from rlflow.engine.models import load_policy, load_tokenizer, model_kwargs, position_ids_from_mask
@@ -25,16 +33,22 @@ from rlflow.engine.stage import (
 
 
 def response_token_loss(
-    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, response_mask: torch.Tensor
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token NLL over response tokens, and their count.
 
-    ids/attention/response_mask: [B, T]. Returns (sum of NLL in nats, number of tokens); the
-    caller divides by the token count of the whole accumulation group.
+    ids/attention/response_mask: [B, T]; packed rows: attention None and position_ids [1, T]
+    restarting per sequence (a boundary's target is the next prompt's first token, masked out).
+    Returns (sum of NLL in nats, number of tokens); the caller divides by the token count of the
+    whole accumulation group.
     """
-    logits = model(
-        input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention), use_cache=False
-    ).logits
+    if attention is not None:
+        position_ids = position_ids_from_mask(attention)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
     targets, mask = ids[:, 1:], response_mask[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, reduction="none")
     return (nll * mask).sum(), mask.sum()
@@ -119,12 +133,19 @@ def sft_train_step(
     The loss is the mean NLL over every response token of the global batch."""
     indices = batch_indices(len(rows), batch_size, step, ctx.seed, ctx.round_index, 1)
     mine = [rows[j] for j in rank_shard(indices, dist.rank(), dist.world_size())]
-    groups = runtime.micro_batches([len(r.prompt) + len(r.response) for r in mine])
-    batches = [right_pad([mine[j] for j in g], pad_id) for g in groups]
-    units = [float(b[2][:, 1:].sum()) for b in batches]
+    lengths = [len(r.prompt) + len(r.response) for r in mine]
+    if runtime.cfg.packing:
+        batches = [pack_rows([mine[j] for j in g]) for g in runtime.packed_micro_batches(lengths)]
+        units = [float(b.response_mask[:, 1:].sum()) for b in batches]
+    else:
+        batches = [right_pad([mine[j] for j in g], pad_id) for g in runtime.micro_batches(lengths)]
+        units = [float(b[2][:, 1:].sum()) for b in batches]
 
     def loss_fn(model, batch) -> LossParts:
-        loss_sum, count = response_token_loss(model, *batch)
+        if isinstance(batch, PackedRows):
+            loss_sum, count = response_token_loss(model, batch.input_ids, None, batch.response_mask, batch.position_ids)
+        else:
+            loss_sum, count = response_token_loss(model, *batch)
         return LossParts(loss_sum, float(count))
 
     out = engine.train_step(batches, units, loss_fn)

@@ -43,6 +43,7 @@ class StageCall:
     init_path: str = ""  # sft, rm: the model to start from (a directory or a committed step URI)
     extra_preferences: tuple[str, ...] = ()  # rm: online-labelled pairs
     ppo_inputs: dict[str, Any] = field(default_factory=dict)  # ppo: PPOInputs fields (step URIs allowed)
+    rollout_devices: str | None = None  # ppo: CUDA_VISIBLE_DEVICES of the rollout worker (placement.rollout)
 
 
 def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | None = None) -> StageContext:
@@ -84,7 +85,8 @@ def run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageO
             config.data,
             config.checkpoint,
             gold,
-            config.rollout.generate_batch,
+            config.rollout,
+            call.rollout_devices,
         )
     raise ValueError(f"unknown training stage {call.stage!r}; valid: {', '.join(TRAINING_STAGES)}")
 

@@ -35,6 +35,29 @@ def fresh_run_name(config_path: str) -> str:
     return f"{Path(config_path).stem}-{time.strftime('%Y%m%d-%H%M%S')}-{pysecrets.token_hex(2)}"
 
 
+def check_backend(config: Any) -> None:
+    """The packages and launch settings the configured execution paths need."""
+    import importlib.util
+
+    from rlflow.engine.errors import ConfigError
+
+    if config.engine.backend == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(
+                "engine.backend=deepspeed needs the deepspeed package: pip install 'rlflow[deepspeed]'"
+                " (or set engine.backend=torch)"
+            )
+        from rlflow.engine.launch import check_resources
+
+        check_resources(config.resources)
+    if config.rollout.mode == "server" and config.rollout.server_backend == "vllm":
+        if not os.path.isfile(config.rollout.vllm_python):
+            raise ConfigError(
+                f"rollout.server_backend=vllm runs in its own environment, but rollout.vllm_python="
+                f"{config.rollout.vllm_python!r} does not exist: build it with `make vllm-env` (GPU machines)"
+            )
+
+
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs every stage needs: model path, data files (parsed in full)."""
     from rlflow.engine.checkpoint import RunLock
@@ -46,6 +69,7 @@ def check_inputs(config: Any) -> None:
     validate_placement(
         config.placement, config.rollout.mode, visible_gpu_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
     )
+    check_backend(config)
     resolve_model_path(config.model.path)
     d = config.data
     for loader, url in (

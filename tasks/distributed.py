@@ -16,6 +16,7 @@ from typing import Any
 from rlflow.engine.config import Config, split_secrets
 from rlflow.engine.launch import build_launch_command, free_port, rank_env, run_distributed
 from rlflow.engine.metrics import MetricsSink, replay_event
+from rlflow.engine.placement import devices_for
 from rlflow.engine.stage import StageOutcome
 from rlflow.engine.worker import SECRETS_ENV, StageCall, write_spec
 
@@ -29,15 +30,19 @@ def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, lo
     with tempfile.TemporaryDirectory(prefix=f"rlflow-{call.stage}-") as work:
         spec_path, outcome_path = os.path.join(work, "spec.json"), os.path.join(work, "outcome.json")
         write_spec(spec_path, public, call, outcome_path)
+        devices = devices_for(config.placement.train, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        devices = devices if devices is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
         command = build_launch_command(
             resources,
             WORKER_MODULE,
             [spec_path],
             resources.master_port or free_port(),
             log_dir=os.path.join(work, "logs"),
-            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            cuda_visible_devices=devices,
         )
         env = rank_env(dict(os.environ), resources.nproc_per_node, os.cpu_count() or 1)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices  # placement.train
         env[SECRETS_ENV] = json.dumps(secret)  # the environment, never the spec file or argv
         logger.info(
             "round %d %s: launching %d rank(s): %s",

@@ -8,6 +8,7 @@ fingerprints), so a re-run shows finished stages as Cached; the engine still che
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 from prefect import get_run_logger, task
@@ -18,6 +19,7 @@ from rlflow.engine.checkpoint import CheckpointStore, model_location, stage_pref
 from rlflow.engine.config import Config
 from rlflow.engine.metrics import ConsoleSink, FanoutSink
 from rlflow.engine.backend import Runtime
+from rlflow.engine.placement import devices_for
 from rlflow.engine.ppo_stage import PPOInputs
 from rlflow.engine.round_stages import PAIRS_FILE, EvalInputs, run_eval_stage, run_label_stage
 from rlflow.engine.rollout import SamplingParams
@@ -194,7 +196,10 @@ def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageR
         critic=rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"],
     )
     load_function(config.gold.fn, "gold.fn")  # fail here, before any process starts, if it is missing
-    return _run_tracked(config, spec, config.ppo.steps, ppo_inputs=dataclasses.asdict(ppo_inputs))
+    devices = devices_for(config.placement.rollout, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return _run_tracked(
+        config, spec, config.ppo.steps, ppo_inputs=dataclasses.asdict(ppo_inputs), rollout_devices=devices
+    )
 
 
 @task(name="eval", **STAGE_TASK)

@@ -109,3 +109,11 @@ def test_cli_rejects_gpu_placement_on_a_cpu_machine(tmp_path, capsys, monkeypatc
     assert err.startswith("rlflow: error: placement.train=[0] asks for GPU index 0 but no GPU is visible"), err
     assert "CUDA_VISIBLE_DEVICES unset" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_role_devices_map_through_the_parents_visible_gpus():
+    from rlflow.engine.placement import devices_for
+
+    assert devices_for(None, "3,5") is None  # no placement: the processes inherit the parent's GPUs
+    assert devices_for([0, 1], None) == "0,1"
+    assert devices_for([1, 2], "4, 6,7") == "6,7"  # index 1 of what this process sees is GPU 6

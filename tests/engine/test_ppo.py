@@ -73,7 +73,7 @@ def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tm
     cfg = build_config(small_config_tree(small_assets, tmp_path), "t")
     models = _models(trained, boom)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-    metrics = ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, generate_batch=32)
+    metrics = ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, 32)
     for key in (
         "actor/pg_loss",
         "actor/pg_clipfrac",
@@ -193,10 +193,10 @@ def test_critic_warmup_updates_only_the_critic(trained, small_assets, tmp_path):
     actor_before = {k: v.clone() for k, v in actor.state_dict().items()}
     critic_before = {k: v.clone() for k, v in critic.state_dict().items()}
     controller = make_controller(cfg.ppo)
-    warm = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step=1, generate_batch=32)
+    warm = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 1, 32)
     assert "actor/pg_loss" not in warm and "critic/vf_loss" in warm and warm["timing_s/update_critic"] > 0
     assert all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())
     assert not all(torch.equal(v, critic.state_dict()[k]) for k, v in critic_before.items())
-    after = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step=2, generate_batch=32)
+    after = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 2, 32)
     assert "actor/pg_loss" in after
     assert not all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())

@@ -56,6 +56,18 @@ CASES = {
     ),
     "unsafe run name": (lambda t, w: (w(), "run.name=../../etc"), r"not safe for a path"),
     "missing config": (lambda t, w: (str(t / "absent.yaml"),), r"config file not found"),
+    "torch backend on 2 processes": (
+        lambda t, w: (w(), "resources.nproc_per_node=2"),
+        r"resources.nproc_per_node=2 x resources.nnodes=1 needs engine.backend=deepspeed",
+    ),
+    "multi-node torchrun without a port": (
+        lambda t, w: (w(engine={"backend": "deepspeed"}, resources={"nnodes": 2}),),
+        r"resources.nnodes=2 with launcher torchrun needs resources.master_port",
+    ),
+    "vllm without its environment": (
+        lambda t, w: (w(rollout={"mode": "server", "server_backend": "vllm", "vllm_python": str(t / "none")}),),
+        r"rollout.vllm_python=.*does not exist: build it with `make vllm-env`",
+    ),
 }
 
 

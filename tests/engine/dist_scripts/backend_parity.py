@@ -67,7 +67,7 @@ def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: En
     index = batch_indices(len(prompts.token_ids), 16, 1, 0, 0, 3)
     exp = make_experience(models, cfg.ppo, [prompts.token_ids[i] for i in index], 0.05, step_seed(0, 0, 1, 4), {}, 8)
     chunk_lengths = [int(exp.batch.response_mask[c * 8 : (c + 1) * 8].sum(1).max()) for c in (0, 1)]
-    metrics = ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, generate_batch=8)
+    metrics = ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, 8)
     result["ppo"] = {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
     weights.update({f"actor.{k}": v for k, v in (models.actor.gathered_state_dict() or {}).items()})
     weights.update({f"critic.{k}": v for k, v in (models.critic.gathered_state_dict() or {}).items()})

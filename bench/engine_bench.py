@@ -1,0 +1,134 @@
+"""Side-by-side timings of the engine's execution modes, measured in one run (the machine is noisy).
+
+    python bench/engine_bench.py [--steps 6] [--out bench/results.json]
+
+PPO: median seconds per PPO step on the demo model (64 prompts, 24 new tokens) for
+  torch colocated | torch + hf rollout server | deepspeed ZeRO-2 on 1 and 2 processes | ZeRO-3 on 2.
+SFT: seconds per step and bytes of activations saved for backward (one step, summed over
+  micro-batches) for whole-batch, token-budget, packed, and gradient-checkpointed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rlflow.engine import dist
+from rlflow.engine.backend import OptimSpec, Runtime, make_runtime
+from rlflow.engine.batching import encode_pair
+from rlflow.engine.config import EngineConfig, RolloutConfig, build_config
+from rlflow.engine.data import load_prompts, load_sft_examples
+from rlflow.engine.evaluation import encode_prompt_set
+from rlflow.engine.models import load_policy, load_tokenizer
+from rlflow.engine.ppo import make_controller, ppo_step
+from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
+from rlflow.engine.rollout_service import RolloutService
+from rlflow.engine.sft import sft_train_step
+from rlflow.engine.stage import StageContext
+
+ASSETS = Path("demo_assets")
+
+
+def zero_gold(prompt, response, **fields):
+    return 0.0
+
+
+def ppo_seconds(engine_cfg: EngineConfig, server: bool, steps: int) -> list[float]:
+    model = str(ASSETS / "tiny-model")
+    cfg = build_config({"ppo": {"rollout_batch": 64, "mini_batch": 32, "epochs": 2, "max_new_tokens": 24}}, "bench")
+    runtime = make_runtime(engine_cfg)
+    models = load_ppo_models(PPOInputs(model, model, model, model, (0.0, 1.0), model), cfg.model, cfg.ppo, zero_gold, runtime)
+    if server:
+        models.rollout = RolloutService.start(RolloutConfig(mode="server"), model, models.tokenizer, models.actor, None)
+    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(str(ASSETS / "data/prompts.jsonl")), 32, "truncate", "p")
+    controller, times = make_controller(cfg.ppo), []
+    try:
+        for step in range(1, steps + 1):
+            started = time.monotonic()
+            ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, 32)
+            times.append(time.monotonic() - started)
+    finally:
+        if models.rollout is not None:
+            models.rollout.close()
+    return times[1:]  # the first step pays one-time costs
+
+
+def sft_figures(engine_cfg: EngineConfig, steps: int) -> dict[str, float]:
+    model = str(ASSETS / "tiny-model")
+    tokenizer = load_tokenizer(model)
+    rows = [encode_pair(tokenizer, e.prompt, e.response, 128) for e in load_sft_examples(str(ASSETS / "data/sft.jsonl"))]
+    runtime = Runtime(engine_cfg)
+    engine = runtime.trainable("model", lambda: load_policy(model), OptimSpec(1e-3, 0.0, 0, 100, 1.0))
+    ctx = StageContext(store=None, stage="sft", round_index=0, seed=0, identity="b", identity_tree={})  # type: ignore[arg-type]
+    saved = [0]
+
+    def pack(t: torch.Tensor):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sft_train_step(engine, runtime, rows, tokenizer.pad_token_id, 64, 1, ctx)
+    times = []
+    for step in range(2, steps + 2):
+        started = time.monotonic()
+        sft_train_step(engine, runtime, rows, tokenizer.pad_token_id, 64, step, ctx)
+        times.append(time.monotonic() - started)
+    return {"seconds_per_step": statistics.median(times), "saved_activation_mb": saved[0] / 2**20}
+
+
+def run_launched(nproc: int, zero_stage: int, steps: int) -> list[float]:
+    """A deepspeed variant under torchrun; rank 0 prints its step times as JSON."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "29577"]
+    command += [__file__, "--worker", str(zero_stage), "--steps", str(steps)]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads([line for line in out.splitlines() if line.startswith("[")][-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.worker is not None:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        times = ppo_seconds(EngineConfig(backend="deepspeed", zero_stage=args.worker), False, args.steps)
+        if dist.is_main():
+            print(json.dumps(times), flush=True)
+        return
+    torch.set_num_threads(os.cpu_count() or 2)
+    ppo = {
+        "torch colocated": ppo_seconds(EngineConfig(), False, args.steps),
+        "torch + hf server": ppo_seconds(EngineConfig(), True, args.steps),
+        "deepspeed zero2 x1": run_launched(1, 2, args.steps),
+        "deepspeed zero2 x2": run_launched(2, 2, args.steps),
+        "deepspeed zero3 x2": run_launched(2, 3, args.steps),
+    }
+    sft = {
+        "whole batch": sft_figures(EngineConfig(), args.steps),
+        "token budget 1024": sft_figures(EngineConfig(max_tokens_per_microbatch=1024), args.steps),
+        "packed 1024": sft_figures(EngineConfig(max_tokens_per_microbatch=1024, packing=True), args.steps),
+        "checkpointing": sft_figures(EngineConfig(gradient_checkpointing=True), args.steps),
+    }
+    base = statistics.median(ppo["torch colocated"])
+    print("PPO step (64 prompts x 24 new tokens), median seconds, ratio to torch colocated:")
+    for name, times in ppo.items():
+        print(f"  {name:22s} {statistics.median(times):6.3f} s  x{statistics.median(times) / base:5.2f}")
+    print("SFT step (64 rows), median seconds and activations saved for backward:")
+    for name, figures in sft.items():
+        print(f"  {name:22s} {figures['seconds_per_step']:6.3f} s  {figures['saved_activation_mb']:8.1f} MB")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"ppo": ppo, "sft": sft}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""GPU check: a ~0.5B Qwen2-shaped model with random weights, a few PPO steps on the deepspeed
+backend (ZeRO-3, bf16, sdpa), and the numbers that say whether the GPU path is healthy.
+
+Run by infra/gpu_check.sh (which makes the carried wheels importable); nothing is downloaded.
+Prints: rollout and training tokens/s, MFU of the training updates (model FLOPs / time over the
+GPU's measured bf16 matmul rate), peak GPU memory, and the weight-sync time to an `hf` rollout
+server. Budget: under 4 minutes on one H100/H200-class GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def matmul_tflops(seconds: float = 3.0, n: int = 8192) -> float:
+    """Measured dense bf16 matmul rate (TFLOP/s): MFU's denominator, on this very GPU."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        a @ b
+        count += 1
+    torch.cuda.synchronize()
+    return 2 * n**3 * count / (time.perf_counter() - started) / 1e12
+
+
+def build_model(root: Path) -> tuple[str, int]:
+    """Demo tokenizer and data, and a Qwen2-0.5B-shaped model with random weights in HF layout."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlflow.engine.demo_task import make_demo_assets
+
+    assets = make_demo_assets(root, seed=0)
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model_dir = assets / "qwen2-0.5b-random"
+    model.save_pretrained(model_dir, safe_serialization=True)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(assets / "tiny-model").save_pretrained(model_dir)
+    return str(model_dir), sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rollout-batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: no GPU is visible (torch.cuda.is_available() is False)")
+    from rlflow.engine.backend import make_runtime
+    from rlflow.engine.config import EngineConfig, RolloutConfig, build_config
+    from rlflow.engine.data import load_prompts
+    from rlflow.engine.evaluation import encode_prompt_set
+    from rlflow.engine.ppo import make_controller, ppo_step
+    from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
+    from rlflow.engine.rollout_service import RolloutService
+
+    t0 = time.monotonic()
+    peak_tflops = matmul_tflops()
+    work = Path(tempfile.mkdtemp(prefix="rlflow-gpu-check-"))
+    model_dir, n_params = build_model(work)
+    cfg = build_config(
+        {
+            "model": {"path": model_dir, "dtype": "bfloat16", "attn_implementation": "sdpa"},
+            "ppo": {"rollout_batch": args.rollout_batch, "mini_batch": args.rollout_batch // 2, "epochs": 1,
+                    "max_new_tokens": args.new_tokens, "temperature": 1.0},
+        },
+        "gpu_check",
+    )  # fmt: skip
+    runtime = make_runtime(EngineConfig(backend="deepspeed", zero_stage=3, precision="bf16"))
+    inputs = PPOInputs(model_dir, model_dir, model_dir, model_dir, (0.0, 1.0), model_dir)
+    models = load_ppo_models(inputs, cfg.model, cfg.ppo, lambda *a, **k: 0.0, runtime)
+    records = load_prompts(str(work / "data" / "prompts.jsonl"))
+    prompts, _, _ = encode_prompt_set(models.tokenizer, records, 64, "truncate", "prompts")
+    controller, steps = make_controller(cfg.ppo), []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(1, args.steps + 1):
+        metrics = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, args.rollout_batch)
+        steps.append(metrics)
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30
+    measured = steps[1:] or steps  # the first step pays warm-up costs
+    tokens = statistics.median(m["perf/throughput"] * m["timing_s/step"] for m in measured)  # prompt+response tokens
+    new_tokens = statistics.median(m["response_length/mean"] * args.rollout_batch for m in measured)
+    gen_s = statistics.median(m["timing_s/gen"] for m in measured)
+    update_s = statistics.median(m["timing_s/update_actor"] + m["timing_s/update_critic"] for m in measured)
+    # Actor and critic updates: forward + backward = 6 FLOPs per parameter per token, each network.
+    train_flops = 2 * 6 * n_params * tokens * cfg.ppo.epochs
+    service = RolloutService.start(RolloutConfig(mode="server", bucket_mb=512), model_dir, models.tokenizer, models.actor, None)
+    sync = service.sync(models.actor)
+    service.close()
+    report = {
+        "params_billion": n_params / 1e9,
+        "gpu": torch.cuda.get_device_name(),
+        "bf16_matmul_tflops": peak_tflops,
+        "rollout_tokens_per_s": new_tokens / gen_s,
+        "train_tokens_per_s": tokens * 2 * cfg.ppo.epochs / update_s,
+        "train_mfu": train_flops / update_s / (peak_tflops * 1e12),
+        "peak_memory_gb": peak_gb,
+        "step_seconds": statistics.median(m["timing_s/step"] for m in measured),
+        "weight_sync_seconds": sync.get("timing_s/update_weights"),
+        "weight_sync_gb_per_s": sync.get("rollout/sync_gb_per_s"),
+        "total_seconds": time.monotonic() - t0,
+    }
+    print(json.dumps(report, indent=2))
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "gpu_check.json").write_text(json.dumps(report, indent=2))
+    runtime.close()
+
+
+if __name__ == "__main__":
+    main()
