@@ -67,6 +67,7 @@ def sft_figures(engine_cfg: EngineConfig, steps: int) -> dict[str, float]:
     rows = [encode_pair(tokenizer, e.prompt, e.response, 128) for e in load_sft_examples(str(ASSETS / "data/sft.jsonl"))]
     runtime = Runtime(engine_cfg)
     engine = runtime.trainable("model", lambda: load_policy(model), OptimSpec(1e-3, 0.0, 0, 100, 1.0))
+    engine.train()  # gradient checkpointing only acts in train mode
     ctx = StageContext(store=None, stage="sft", round_index=0, seed=0, identity="b", identity_tree={})  # type: ignore[arg-type]
     saved = [0]
 
