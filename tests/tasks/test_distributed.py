@@ -3,9 +3,11 @@ events reach the task's sink, a killed rank fails the task naming it, and a stag
 checkpointed by N processes resumes on M processes (2 -> 1 and 1 -> 2) to the same weights as an
 uninterrupted single-process run."""
 
+import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,10 +15,11 @@ from safetensors.torch import load_file
 
 from conftest import RecordingSink, small_config_tree
 from rlflow.engine.checkpoint import CheckpointStore
-from rlflow.engine.config import build_config
-from rlflow.engine.launch import DistributedJobError
-from rlflow.engine.worker import StageCall, make_context, run_stage_call
-from rlflow.tasks.distributed import launch_training_stage
+from rlflow.engine.config import ResourcesConfig, build_config
+from rlflow.engine.launch import DistributedJobError, build_launch_command, free_port, rank_env, run_distributed
+from rlflow.engine.metrics import EVENT_PREFIX
+from rlflow.engine.worker import StageCall, make_context, run_stage_call, write_spec
+from rlflow.tasks.distributed import WORKER_MODULE, launch_training_stage
 
 TOLERANCE = 1e-5
 STEPS = 6
@@ -81,3 +84,46 @@ def test_resume_on_a_different_world_size(small_assets, tmp_path, monkeypatch, u
     weights = final_weights(outcome)
     worst = max((weights[k] - v).abs().max().item() for k, v in uninterrupted.items())
     assert worst <= TOLERANCE, f"resumed {first}->{second} differs from the uninterrupted run by {worst:.2e}"
+
+
+def test_two_nodes_one_process_each_run_the_stage_worker(small_assets, tmp_path):
+    """The task's launch on 2 nodes x 1 process, both on 127.0.0.1: each node starts its own
+    torchrun (node_rank 0 and 1, same master port) of the stage worker; together they run SFT
+    steps as one world of 2 and commit a checkpoint with one optimizer shard per rank."""
+    port = free_port()
+    config = sft_config(small_assets, tmp_path, 1).model_copy(
+        update={"resources": ResourcesConfig(nnodes=2, nproc_per_node=1, master_port=port)}
+    )
+    config = config.model_copy(update={"sft": config.sft.model_copy(update={"max_steps": 2})})
+    call = sft_call(tmp_path, small_assets)
+    spec, outcome_path = str(tmp_path / "spec.json"), tmp_path / "outcome.json"
+    write_spec(spec, config.model_dump(mode="json"), call, str(outcome_path))
+    lines: dict[int, list] = {0: [], 1: []}
+    errors: dict[int, BaseException] = {}
+
+    def node(node_rank: int) -> None:
+        resources = config.resources.model_copy(update={"node_rank": node_rank})
+        command = build_launch_command(
+            resources, WORKER_MODULE, [spec], port, log_dir=str(tmp_path / f"logs{node_rank}")
+        )
+        env = rank_env(dict(os.environ), 1, os.cpu_count() or 1)
+        try:
+            run_distributed(command, env, lambda rank, text: lines[node_rank].append((rank, text)), timeout_s=240)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors[node_rank] = exc
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == {}, errors
+    outcome = json.loads(outcome_path.read_text())  # written by rank 0 (node 0)
+    assert outcome["step"] == 2
+    files = CheckpointStore(f"{tmp_path}/sft").manifest(2)["files"]
+    assert sorted(n for n in files if n.startswith("optim/")) == [
+        "optim/model.rank00000.safetensors",
+        "optim/model.rank00001.safetensors",
+    ]
+    assert any(r == 0 and t.startswith(EVENT_PREFIX) for r, t in lines[0])  # rank 0 reports metrics
+    assert all(r == 1 for r, _ in lines[1] if r is not None)  # node 1's process is global rank 1
