@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +90,3 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 def state_json(engines: dict[str, dict[str, Any]]) -> bytes:
     return json.dumps({"engines": engines, "rng": capture_rng()}, sort_keys=True).encode()
-
-
-def iter_owned(names: list[str], rank: int, world_size: int) -> Iterator[tuple[int, str]]:
-    return ((i, n) for i, n in enumerate(names) if owned(i, rank, world_size))

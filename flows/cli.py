@@ -60,7 +60,7 @@ def check_backend(config: Any) -> None:
 
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs every stage needs: model path, data files (parsed in full)."""
-    from rlflow.engine.checkpoint import RunLock
+    from rlflow.engine.run_lock import RunLock
     from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
     from rlflow.engine.models import resolve_model_path
     from rlflow.engine.placement import validate_placement, visible_gpu_count

@@ -19,7 +19,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 from prefect.states import Crashed
 
-from rlflow.engine.checkpoint import RunLock
+from rlflow.engine.run_lock import RunLock
 from rlflow.engine.config import Config, build_config, merge_trees
 from rlflow.engine.data import fingerprint_file
 from rlflow.engine.models import model_fingerprint

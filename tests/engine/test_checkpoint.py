@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from rlflow.engine.checkpoint import CheckpointStore, RunLock, stage_prefix
+from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.run_lock import RunLock
 from rlflow.engine.errors import CheckpointError
 
 WEIGHTS = bytes(range(256)) * 64
@@ -207,7 +208,7 @@ def test_runlock_held_by_live_child(tmp_path):
             "-c",
             textwrap.dedent(f"""
         import sys, time
-        from rlflow.engine.checkpoint import RunLock
+        from rlflow.engine.run_lock import RunLock
         RunLock({run_dir!r}).acquire()
         print("locked", flush=True)
         time.sleep(60)
