@@ -175,7 +175,7 @@ class EngineConfig(Section):
     """How every stage trains: one process (torch) or a DeepSpeed ZeRO job, and how batches are cut."""
 
     backend: Literal["torch", "deepspeed"] = "torch"
-    zero_stage: Literal[0, 1, 2, 3] = 2  # deepspeed only
+    zero_stage: Literal[1, 2, 3] = 2  # deepspeed only
     offload_optimizer: bool = False  # ZeRO optimizer state in CPU memory
     offload_params: bool = False  # ZeRO-3 parameters in CPU memory
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -255,6 +255,26 @@ class Config(Section):
                 f"resources.nproc_per_node={self.resources.nproc_per_node} x resources.nnodes={self.resources.nnodes}"
                 " needs engine.backend=deepspeed (the torch backend runs one process)"
             )
+        world = self.resources.world_size
+        # Every rank needs rows in every pass (ZeRO's collectives run in each forward and backward).
+        shares = {
+            "ppo.rollout_batch / rollout.generate_batch chunks": -(
+                -self.ppo.rollout_batch // self.rollout.generate_batch
+            ),
+            "eval.num_prompts / eval.batch_size chunks": -(-self.eval.num_prompts // self.eval.batch_size),
+            "ppo.mini_batch": self.ppo.mini_batch,
+            "sft.batch_size": self.sft.batch_size,
+            "rm.batch_size": self.rm.batch_size,
+        }
+        last = self.ppo.rollout_batch % self.ppo.mini_batch
+        if last:
+            shares["the last mini-batch (ppo.rollout_batch % ppo.mini_batch)"] = last
+        for what, n in shares.items():
+            if n < world:
+                raise ValueError(
+                    f"{what} = {n} is less than the {world} ranks (resources): every rank needs a share;"
+                    f" make it at least {world} or use fewer ranks"
+                )
         return self
 
 

@@ -33,6 +33,13 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def _device() -> torch.device:
+    """Where collective buffers live: NCCL only moves GPU tensors, gloo CPU ones."""
+    if is_distributed() and torch_dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def barrier() -> None:
     if is_distributed():
         torch_dist.barrier()
@@ -40,14 +47,14 @@ def barrier() -> None:
 
 def all_reduce_sum(value: torch.Tensor | float) -> torch.Tensor:
     """Sum over ranks of a tensor (or float), returned as a new float64 tensor on the CPU."""
-    tensor = torch.as_tensor(value, dtype=torch.float64).detach().clone().cpu()
+    tensor = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(_device())
     if is_distributed():
         torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
-    return tensor
+    return tensor.cpu()
 
 
 def all_reduce_max(value: int) -> int:
-    tensor = torch.tensor([value], dtype=torch.int64)
+    tensor = torch.tensor([value], dtype=torch.int64, device=_device())
     if is_distributed():
         torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
     return int(tensor.item())
@@ -57,20 +64,23 @@ def all_gather_json(obj: Any) -> list[Any]:
     """Every rank's JSON-serialisable `obj`, in rank order."""
     if not is_distributed():
         return [obj]
+    device = _device()
     data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
-    torch_dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size())]
+    torch_dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
     width = int(max(s.item() for s in sizes))
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[: data.numel()] = data
-    chunks = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
-    torch_dist.all_gather(chunks, padded)
-    return [json.loads(bytes(c[: int(s.item())].tolist()).decode()) for c, s in zip(chunks, sizes)]
+    chunks = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in sizes]
+    torch_dist.all_gather(chunks, padded.to(device))
+    return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes)]
 
 
 def all_gather_rows(tensor: torch.Tensor, pad_value: float, pad_left: bool = False) -> torch.Tensor:
     """Concatenate every rank's [b, T_r, ...] tensor along rows (rank order), padding the second
-    dimension to the widest rank (on the left for left-padded prompts). Rows per rank may differ."""
+    dimension to the widest rank (on the left for left-padded prompts). Rows per rank may differ.
+    Returns a CPU tensor."""
+    tensor = tensor.cpu()
     if not is_distributed():
         return tensor
     shapes = all_gather_json(list(tensor.shape))
@@ -85,9 +95,10 @@ def all_gather_rows(tensor: torch.Tensor, pad_value: float, pad_left: bool = Fal
         padded[: tensor.shape[0], : tensor.shape[1]] = tensor
     else:
         padded[: tensor.shape[0]] = tensor
-    chunks = [torch.empty_like(padded) for _ in shapes]
-    torch_dist.all_gather(chunks, padded.contiguous())
-    return torch.cat([c[: s[0]] for c, s in zip(chunks, shapes)])
+    device = _device()
+    chunks = [torch.empty_like(padded, device=device) for _ in shapes]
+    torch_dist.all_gather(chunks, padded.contiguous().to(device))
+    return torch.cat([c[: s[0]].cpu() for c, s in zip(chunks, shapes)])
 
 
 def rank_chunks(n_items: int, chunk: int) -> list[tuple[int, bool]]:

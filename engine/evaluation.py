@@ -13,7 +13,7 @@ from rlflow.engine.algos import distinct_n, kl_penalty, masked_mean
 from rlflow.engine.data import PromptRecord, encode_prompts, format_prompt
 from rlflow.engine.errors import DataError
 from rlflow.engine.rollout import RolloutBatch, SamplingParams, batched_logprobs, batched_scores, generate_rollouts
-from rlflow.engine.scoring import score_answers
+from rlflow.engine.scoring import GoldScores, score_answers
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,14 @@ def evaluate_policy(
     texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
     rm, kl_ref, kl_sft, lengths = ([table[:, i]] for i in range(4))
     records = prompts.records
-    gold = score_answers(models.gold, [r.prompt for r in records], texts, [r.fields for r in records])
+    # Rank 0 alone calls the gold function (it may be an external judge, slow or not deterministic);
+    # every rank gets its result, so decisions taken from it (keep_best, checkpoints) agree.
+    local = None
+    if dist.is_main():
+        scored = score_answers(models.gold, [r.prompt for r in records], texts, [r.fields for r in records])
+        local = {"scores": scored.scores, "components": scored.components}
+    shared = dist.all_gather_json(local)[0] if dist.is_distributed() else local
+    gold = GoldScores(shared["scores"], shared["components"])
     n = len(gold.scores)
     mean = sum(gold.scores) / n
     var = sum((s - mean) ** 2 for s in gold.scores) / max(1, n - 1)

@@ -171,6 +171,13 @@ def scalar_head(model: nn.Module) -> nn.Linear:
     raise ConfigError(f"{type(model).__name__} has no linear 'score' head; use a decoder model (Llama, Qwen2, ...)")
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where a model's (possibly partitioned) parameters live: batches are built on the CPU and
+    moved there right before the forward pass."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] 0/1 mask -> [B, T] positions counting only attended tokens (left padding safe)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -188,8 +195,10 @@ def token_logprobs(
 
     input_ids, attention_mask: [B, T] (left-padded prompt of width response_start, then response).
     Returns logprobs [B, T - response_start] (float32, logits divided by the sampling temperature)
-    and, if asked, the per-token entropy of the same distribution, else None.
+    and, if asked, the per-token entropy of the same distribution, else None; on the model's device.
     """
+    device = model_device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -208,7 +217,12 @@ def _per_token_values(
     position_ids: torch.Tensor | None = None,
     **_: Any,
 ) -> torch.Tensor:
-    """[B, T] values; packed rows: attention_mask None and position_ids restarting per sequence."""
+    """[B, T] values on the model's device; packed rows: attention_mask None and position_ids
+    restarting per sequence."""
+    device = model_device(self)
+    input_ids = input_ids.to(device)
+    attention_mask = attention_mask.to(device) if attention_mask is not None else None
+    position_ids = position_ids.to(device) if position_ids is not None else None
     backbone = getattr(self, self.base_model_prefix)
     hidden = backbone(
         input_ids=input_ids,
@@ -230,6 +244,7 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     Located from the attention mask, not the pad id, so an EOS that doubles as pad still counts.
     """
     values = token_values(model, input_ids, attention_mask)
+    attention_mask = attention_mask.to(values.device)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (attention_mask.long() * positions).argmax(-1)
     return values.gather(1, last[:, None]).squeeze(1)

@@ -186,7 +186,11 @@ def actor_loss(model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg
     logprobs, entropy = token_logprobs(
         model, batch.input_ids, batch.attention_mask, batch.prompt_width, cfg.temperature, with_entropy=True
     )
-    pg, clipped, approx_kl = ppo_policy_loss(logprobs, exp.old_logprobs[index], exp.advantages[index], cfg.clip_ratio)
+    device = logprobs.device  # experience stays on the CPU; each micro-batch's slice comes over
+    mask = mask.to(device)
+    pg, clipped, approx_kl = ppo_policy_loss(
+        logprobs, exp.old_logprobs[index].to(device), exp.advantages[index].to(device), cfg.clip_ratio
+    )
     loss_sum, units = loss_sum_and_units(pg, mask, cfg.loss_agg)
     tokens = float(mask.sum())
     return LossParts(
@@ -204,7 +208,10 @@ def critic_loss(model: torch.nn.Module, exp: Experience, index: torch.Tensor, cf
     """Clipped value loss of the rows `index` [M]; values are read at the token before each response token."""
     batch, mask = exp.batch.rows(index), exp.batch.response_mask[index]
     values = token_values(model, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1 : -1]
-    vf, vf_clipped = value_loss(values, exp.values[index], exp.returns[index], cfg.value_clip)
+    mask = mask.to(values.device)
+    vf, vf_clipped = value_loss(
+        values, exp.values[index].to(mask.device), exp.returns[index].to(mask.device), cfg.value_clip
+    )
     loss_sum, units = loss_sum_and_units(vf, mask, cfg.loss_agg)
     return LossParts(loss_sum, units, {"critic/vf_clipfrac": (float(masked_sum(vf_clipped, mask)), float(mask.sum()))})
 
@@ -229,7 +236,8 @@ def ppo_update(
     models.actor.train(), models.critic.train()
     parts = [("actor", models.actor, actor_loss)] if update_actor else []
     parts.append(("critic", models.critic, critic_loss))
-    lengths = exp.batch.attention_mask.sum(1).tolist()
+    # Rows keep the batch's padded width in every micro-batch: that is what the budget must count.
+    lengths = [exp.batch.input_ids.shape[1]] * exp.batch.input_ids.shape[0]
     for _ in range(cfg.epochs):
         for index in torch.randperm(exp.batch.input_ids.shape[0], generator=generator).split(cfg.mini_batch):
             mine = index[dist.rank() :: dist.world_size()]

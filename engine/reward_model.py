@@ -49,7 +49,8 @@ def _score_pairs(model, rows, pad_id: int, packed: bool = False) -> tuple[torch.
     sequences = [c for c, _ in rows] + [r for _, r in rows]
     if packed:
         batch = pack_rows(sequences)
-        scores = model(input_ids=batch.input_ids, attention_mask=None, position_ids=batch.position_ids)[0, batch.ends]
+        values = model(input_ids=batch.input_ids, attention_mask=None, position_ids=batch.position_ids)
+        scores = values[0, batch.ends.to(values.device)]
     else:
         scores = sequence_scores(model, *right_pad(sequences, pad_id)[:2])
     return scores[: len(rows)], scores[len(rows) :]
@@ -84,7 +85,7 @@ def score_statistics(model, rows: list[PromptResponseIds], pad_id: int, batch_si
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)  # sum, sum of squares
     for chunk, counts in _rank_passes(rows, batch_size):
-        scores = sequence_scores(model, *right_pad(chunk, pad_id)[:2]).double()
+        scores = sequence_scores(model, *right_pad(chunk, pad_id)[:2]).double().cpu()
         if counts:
             total += torch.stack([scores.sum(), (scores**2).sum()])
     model.train()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from rlflow.engine.batching import left_pad
-from rlflow.engine.models import sequence_scores, token_logprobs, token_values
+from rlflow.engine.models import model_device, sequence_scores, token_logprobs, token_values
 from transformers import GenerationConfig
 
 
@@ -126,7 +126,10 @@ def generate_rollouts(
     torch.manual_seed(seed)
     with blank_generation_config(policy):
         config = sampling_config(params, tokenizer.pad_token_id, tokenizer.eos_token_id)
-        out = policy.generate(input_ids=ids, attention_mask=attention, generation_config=config, **generate_kwargs)
+        device = model_device(policy)
+        out = policy.generate(
+            input_ids=ids.to(device), attention_mask=attention.to(device), generation_config=config, **generate_kwargs
+        ).cpu()
     policy.train(was_training)
     response = out[:, ids.shape[1] :]
     mask = response_mask_from_ids(response, tokenizer.eos_token_id)
@@ -149,7 +152,7 @@ def batched_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: f
         lp, _ = token_logprobs(
             model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk], batch.prompt_width, temperature
         )
-        parts.append(lp)
+        parts.append(lp.cpu())
     return torch.cat(parts) * batch.response_mask
 
 
@@ -159,7 +162,7 @@ def batched_values(critic: torch.nn.Module, batch: RolloutBatch, chunk: int = 64
     parts = []
     for i in range(0, batch.input_ids.shape[0], chunk):
         v = token_values(critic, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk])
-        parts.append(v[:, batch.prompt_width - 1 : -1])
+        parts.append(v[:, batch.prompt_width - 1 : -1].cpu())
     return torch.cat(parts) * batch.response_mask
 
 
@@ -168,7 +171,7 @@ def batched_scores(reward_model: torch.nn.Module, batch: RolloutBatch, chunk: in
     """Raw reward-model scores [B] at each row's last response token."""
     return torch.cat(
         [
-            sequence_scores(reward_model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk])
+            sequence_scores(reward_model, batch.input_ids[i : i + chunk], batch.attention_mask[i : i + chunk]).cpu()
             for i in range(0, batch.input_ids.shape[0], chunk)
         ]
     )

@@ -167,6 +167,7 @@ class RolloutClient:
         command += ["--parent-pid", str(os.getpid()), "--dtype", dtype, "--threads", str(threads)]
         command += ["--trust-remote-code"] if trust_remote_code else []
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env.pop("RLFLOW_SECRETS", None)  # the worker needs no credentials
         if cuda_visible_devices is not None:  # placement.rollout: the worker's own GPUs
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         with open(log_path, "ab") as log_file:

@@ -18,7 +18,7 @@ from rlflow.engine.batching import (
 )
 from rlflow.engine.config import DataConfig, ModelConfig, SFTConfig
 from rlflow.engine.data import load_sft_examples
-from rlflow.engine.models import load_policy, load_tokenizer, model_kwargs, position_ids_from_mask
+from rlflow.engine.models import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
@@ -48,6 +48,9 @@ def response_token_loss(
     """
     if attention is not None:
         position_ids = position_ids_from_mask(attention)
+    device = model_device(model)
+    ids, response_mask, position_ids = ids.to(device), response_mask.to(device), position_ids.to(device)
+    attention = attention.to(device) if attention is not None else None
     logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
     targets, mask = ids[:, 1:], response_mask[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, reduction="none")

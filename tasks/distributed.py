@@ -13,7 +13,7 @@ import os
 import tempfile
 from typing import Any
 
-from rlflow.engine.config import Config, split_secrets
+from rlflow.engine.config import REDACTED, Config, split_secrets
 from rlflow.engine.launch import build_launch_command, free_port, rank_env, run_distributed
 from rlflow.engine.metrics import MetricsSink, replay_event
 from rlflow.engine.placement import devices_for
@@ -21,6 +21,24 @@ from rlflow.engine.stage import StageOutcome
 from rlflow.engine.worker import SECRETS_ENV, StageCall, write_spec
 
 WORKER_MODULE = "rlflow.engine.worker"
+
+
+def secret_values(secret_tree: Any) -> list[str]:
+    """Every secret string in the tree, and the JSON the ranks receive: masked in their log lines."""
+    values: list[str] = [json.dumps(secret_tree)] if secret_tree else []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for child in node.values():
+                walk(child)
+        elif isinstance(node, (list, tuple)):
+            for child in node:
+                walk(child)
+        elif node is not None and len(str(node)) >= 4:  # shorter ones would mask ordinary words
+            values.append(str(node))
+
+    walk(secret_tree)
+    return sorted(set(values), key=len, reverse=True)  # longest first: no partial masks
 
 
 def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, logger: Any) -> StageOutcome:
@@ -52,8 +70,12 @@ def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, lo
             " ".join(command),
         )
 
+        hidden = secret_values(secret)
+
         def on_line(rank: int | None, text: str) -> None:
             if not replay_event(text, sink) and text.strip():
+                for value in hidden:  # e.g. DeepSpeed's runner logs the `export K=V` it runs on other nodes
+                    text = text.replace(value, REDACTED)
                 logger.info("[rank %s] %s", "?" if rank is None else rank, text)
 
         run_distributed(command, env, on_line)

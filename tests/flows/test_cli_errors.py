@@ -61,8 +61,19 @@ CASES = {
         r"resources.nproc_per_node=2 x resources.nnodes=1 needs engine.backend=deepspeed",
     ),
     "multi-node torchrun without a port": (
-        lambda t, w: (w(engine={"backend": "deepspeed"}, resources={"nnodes": 2}),),
+        lambda t, w: (
+            w(
+                engine={"backend": "deepspeed"},
+                resources={"nnodes": 2},
+                rollout={"generate_batch": 8},
+                eval={"batch_size": 16},
+            ),
+        ),
         r"resources.nnodes=2 with launcher torchrun needs resources.master_port",
+    ),
+    "a rank without rows": (
+        lambda t, w: (w(engine={"backend": "deepspeed"}, resources={"nproc_per_node": 2}),),
+        r"ppo.rollout_batch / rollout.generate_batch chunks = 1 is less than the 2 ranks .*make it at least 2",
     ),
     "vllm without its environment": (
         lambda t, w: (w(rollout={"mode": "server", "server_backend": "vllm", "vllm_python": str(t / "none")}),),

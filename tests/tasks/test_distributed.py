@@ -43,6 +43,8 @@ def sft_config(assets, root, nproc: int, backend: str = "deepspeed"):
         checkpoint={"every_steps": 2, "keep_last": 3, "consolidate_every": 100},
         engine={"backend": backend, "zero_stage": 2, "max_tokens_per_microbatch": 200},
         resources={"nproc_per_node": nproc},
+        rollout={"generate_batch": 8},  # every rank needs rollout and evaluation chunks of its own
+        eval={"batch_size": 16},
     )
     return build_config(tree, "test")
 
@@ -127,3 +129,12 @@ def test_two_nodes_one_process_each_run_the_stage_worker(small_assets, tmp_path)
     ]
     assert any(r == 0 and t.startswith(EVENT_PREFIX) for r, t in lines[0])  # rank 0 reports metrics
     assert all(r == 1 for r, _ in lines[1] if r is not None)  # node 1's process is global rank 1
+
+
+def test_secret_values_are_found_at_any_depth():
+    from rlflow.tasks.distributed import secret_values
+
+    tree = {"run": {"storage_options": {"key": "AKIA-EXAMPLE", "client_kwargs": {"token": ["tok-123456"]}, "n": 1}}}
+    values = secret_values(tree)
+    assert {"AKIA-EXAMPLE", "tok-123456"} <= set(values) and "1" not in values
+    assert values[0] == __import__("json").dumps(tree)  # the whole JSON first (longest)
