@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec
+
 from rlflow.engine import dist
 from rlflow.engine.backend import Runtime, make_runtime
 from rlflow.engine.checkpoint import CheckpointStore, model_location
@@ -91,29 +93,34 @@ def run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageO
     raise ValueError(f"unknown training stage {call.stage!r}; valid: {', '.join(TRAINING_STAGES)}")
 
 
-def write_spec(path: str, public_config: dict[str, Any], call: StageCall, outcome_path: str) -> None:
-    """The spec file a worker reads (owner-only permissions; secrets are not in it)."""
-    spec = {"config": public_config, "call": dataclasses.asdict(call), "outcome_path": outcome_path}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
+def write_spec(
+    url: str,
+    public_config: dict[str, Any],
+    call: StageCall,
+    outcome_url: str,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """The spec a worker reads, at any fsspec URL (a local file, or under run.root so that every
+    node of a multi-node job can read it). Secrets are not in it."""
+    spec = {"config": public_config, "call": dataclasses.asdict(call), "outcome_path": outcome_url}
+    with fsspec.open(url, "w", **(storage_options or {})) as f:
         json.dump(spec, f)
 
 
-def main(spec_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
+def main(spec_url: str) -> None:
     secrets = json.loads(os.environ.get(SECRETS_ENV) or "{}")
-    config = build_config(merge_trees(spec["config"], secrets), spec_path)
+    storage_options = (secrets.get("run") or {}).get("storage_options") or {}  # run.root's credentials
+    with fsspec.open(spec_url, "r", **storage_options) as f:
+        spec = json.load(f)
+    config = build_config(merge_trees(spec["config"], secrets), spec_url)
     call = StageCall(**{**spec["call"], "extra_preferences": tuple(spec["call"]["extra_preferences"])})
     set_threads(int(os.environ.get("OMP_NUM_THREADS") or config.run.threads))
     main_rank = int(os.environ.get("RANK", "0")) == 0  # the process group does not exist yet
     ctx = make_context(config, call, EventSink() if main_rank else NullSink())
     outcome = run_stage_call(ctx, config, call)
-    if dist.is_main():
-        tmp = spec["outcome_path"] + ".tmp"
-        with open(tmp, "w") as f:
+    if dist.is_main():  # read by the task only after every rank exited cleanly
+        with fsspec.open(spec["outcome_path"], "w", **storage_options) as f:
             json.dump(dataclasses.asdict(outcome), f)
-        os.replace(tmp, spec["outcome_path"])
     ctx.runtime.close()
 
 

@@ -8,10 +8,16 @@ raises DistributedJobError with that rank's last log lines, which fails the task
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+import uuid
+from collections.abc import Iterator
 from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
 
 from rlflow.engine.config import REDACTED, Config, split_secrets
 from rlflow.engine.launch import build_launch_command, free_port, rank_env, run_distributed
@@ -45,9 +51,9 @@ def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, lo
     """Run `call` on `config.resources` ranks; return rank 0's outcome."""
     resources = config.resources
     public, secret = split_secrets(config.model_dump(mode="json"))
-    with tempfile.TemporaryDirectory(prefix=f"rlflow-{call.stage}-") as work:
-        spec_path, outcome_path = os.path.join(work, "spec.json"), os.path.join(work, "outcome.json")
-        write_spec(spec_path, public, call, outcome_path)
+    with tempfile.TemporaryDirectory(prefix=f"rlflow-{call.stage}-") as work, _exchange(config, call, work) as base:
+        spec_path, outcome_path = f"{base}/spec.json", f"{base}/outcome.json"
+        write_spec(spec_path, public, call, outcome_path, config.run.storage_options)
         devices = devices_for(config.placement.train, os.environ.get("CUDA_VISIBLE_DEVICES"))
         devices = devices if devices is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
         command = build_launch_command(
@@ -79,6 +85,23 @@ def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, lo
                 logger.info("[rank %s] %s", "?" if rank is None else rank, text)
 
         run_distributed(command, env, on_line)
-        with open(outcome_path) as f:
+        with fsspec.open(outcome_path, "r", **config.run.storage_options) as f:
             outcome = json.load(f)
     return StageOutcome(**outcome)
+
+
+@contextlib.contextmanager
+def _exchange(config: Config, call: StageCall, local_dir: str) -> Iterator[str]:
+    """Where the spec and rank 0's outcome live: this machine's temp dir for a one-node job; under
+    run.root for a multi-node one (every node reads the spec, and rank 0 may be on another host).
+    The run.root folder is removed afterwards."""
+    if config.resources.nnodes == 1:
+        yield local_dir
+        return
+    base = f"{config.run.root.rstrip('/')}/{config.run.name}/.launch/round_{call.round_index}-{call.stage}-{uuid.uuid4().hex[:8]}"
+    fs, path = url_to_fs(base, **config.run.storage_options)
+    try:
+        yield base
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path, recursive=True)

@@ -138,3 +138,19 @@ def test_secret_values_are_found_at_any_depth():
     values = secret_values(tree)
     assert {"AKIA-EXAMPLE", "tok-123456"} <= set(values) and "1" not in values
     assert values[0] == __import__("json").dumps(tree)  # the whole JSON first (longest)
+
+
+def test_multi_node_jobs_exchange_spec_and_outcome_under_run_root(small_assets, tmp_path):
+    """Other nodes cannot see this machine's temp dir: a multi-node job's spec (and rank 0's
+    outcome, rank 0 may sit on another host) go under run.root, removed after the job."""
+    from rlflow.tasks.distributed import _exchange
+
+    one_node = sft_config(small_assets, tmp_path, 1)
+    with _exchange(one_node, sft_call(tmp_path, small_assets), str(tmp_path / "local")) as base:
+        assert base == str(tmp_path / "local")
+    two_nodes = one_node.model_copy(update={"resources": ResourcesConfig(nnodes=2, master_port=29500)})
+    with _exchange(two_nodes, sft_call(tmp_path, small_assets), str(tmp_path / "local")) as base:
+        assert base.startswith(f"{tmp_path}/t/.launch/round_0-sft-")
+        write_spec(f"{base}/spec.json", {}, sft_call(tmp_path, small_assets), f"{base}/outcome.json")
+        assert Path(base, "spec.json").is_file()
+    assert not Path(base).exists()
