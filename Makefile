@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-slow clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+
+# Soak runs (minutes; not CI): 300 PPO steps with a checkpoint every step and the mirror on.
+test-slow: install
+	$(PY) -m pytest -s -m slow tests/slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .rlflow demo_assets

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,13 +57,19 @@ class TrainEngine:
         self.forward = forward  # call this for training forward passes (a DeepSpeed engine or the model)
         self.model = model  # the plain HF model: generate, config, save
         self.schedule = schedule
+        self.poison_loss = False  # fault injection (RLFLOW_FAULT "<stage>:nonfinite:<step>"): losses become NaN
 
     # -- hooks ---------------------------------------------------------------------------------
     def _backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _optimizer_step(self) -> float:
-        """Clip, step optimizer and schedule, zero gradients; return the pre-clip global grad norm."""
+        """Clip, step optimizer and schedule, zero gradients; return the pre-clip global grad norm.
+        A non-finite norm skips the step (gradients dropped, optimizer and schedule untouched)."""
+        raise NotImplementedError
+
+    def _discard_gradients(self) -> None:
+        """Drop accumulated gradients without an optimizer step."""
         raise NotImplementedError
 
     def param_names(self) -> list[str]:
@@ -98,7 +105,8 @@ class TrainEngine:
 
         Ranks with fewer micro-batches repeat their last one with weight 0: ZeRO's collectives in
         forward and backward need the same number of passes on every rank.
-        Returns "loss" (global mean per unit), "grad_norm", "lr" and each stat's global sum/count.
+        Returns "loss" (global mean per unit), "grad_norm", "lr", "skipped" (1.0 when a non-finite
+        loss or gradient norm skipped the update) and each stat's global sum/count.
         """
         if not micro_batches:
             raise ValueError(f"{self.name}: a rank got no micro-batches; the batch must have at least one row per rank")
@@ -109,16 +117,23 @@ class TrainEngine:
         for i in range(passes):
             real = i < len(micro_batches)
             parts = loss_fn(self.forward, micro_batches[min(i, len(micro_batches) - 1)])
-            self._backward(parts.loss_sum * (scale if real else 0.0))
+            loss_sum = parts.loss_sum * float("nan") if self.poison_loss else parts.loss_sum
+            self._backward(loss_sum * (scale if real else 0.0))
             if real:
-                loss_total += float(parts.loss_sum.detach())
+                loss_total += float(loss_sum.detach())
                 for key, (s, c) in parts.stats.items():
                     acc = stats.setdefault(key, [0.0, 0.0])
                     acc[0], acc[1] = acc[0] + float(s), acc[1] + float(c)
-        grad_norm = self._optimizer_step()
         keys = sorted(stats)
         reduced = dist.all_reduce_sum(torch.tensor([loss_total] + [v for k in keys for v in stats[k]]))
-        out = {"loss": float(reduced[0]) / max(total_units, 1e-12), "grad_norm": grad_norm, "units": total_units}
+        loss = float(reduced[0]) / max(total_units, 1e-12)
+        if math.isfinite(loss):  # every rank sees the same reduced loss, so all take the same branch
+            grad_norm = self._optimizer_step()
+        else:
+            self._discard_gradients()
+            grad_norm = float("nan")
+        out = {"loss": loss, "grad_norm": grad_norm, "units": total_units}
+        out["skipped"] = float(not (math.isfinite(loss) and math.isfinite(grad_norm)))
         out["lr"] = float(self.schedule.get_last_lr()[0])
         for j, key in enumerate(keys):
             out[key] = float(reduced[1 + 2 * j]) / max(float(reduced[2 + 2 * j]), 1e-12)
@@ -138,11 +153,15 @@ class TorchTrainEngine(TrainEngine):
 
     def _optimizer_step(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        self.optimizer.step()
-        self.schedule.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return grad_norm
+
+    def _discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def full_param_state(self, name: str) -> ParamState:
         param = self._params[name]

@@ -9,7 +9,7 @@ directory that every reader ignores. (``run_lock.RunLock`` keeps two runs off on
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
+import errno
 import hashlib
 import io
 import json
@@ -23,9 +23,18 @@ from typing import Any, BinaryIO
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from rlflow.engine.errors import CheckpointError
+from rlflow.engine.checkpoint_files import (
+    MANIFEST,
+    HashingFile,
+    check_name,
+    hash_stream,
+    json_bytes,
+    now_iso,
+    put_local_atomic,
+)
+from rlflow.engine.faults import armed
 
-MANIFEST, FINAL, LOCK = "manifest.json", "final.json", ".lock"
-_CHUNK = 8 * 1024 * 1024
+FINAL, LOCK = "final.json", ".lock"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 STEP_URI = re.compile(r"^(?P<prefix>.+)/step_(?P<step>\d{6})/?$")  # a committed step's URL
 
@@ -35,89 +44,6 @@ def stage_prefix(root: str, run: str, round_index: int, stage: str) -> str:
     if not run or not stage or "/" in run + stage:
         raise CheckpointError(f"invalid run/stage names {run!r}/{stage!r}: need names without '/'")
     return f"{root.rstrip('/')}/{run}/round_{round_index}/{stage}"
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=2) + "\n").encode()
-
-
-def _check_name(name: str) -> str:
-    """Reject names that could escape the step directory or shadow the manifest."""
-    parts = name.split("/")
-    if name == MANIFEST or "\\" in name or any(p in ("", ".", "..") for p in parts):
-        raise CheckpointError(
-            f"invalid checkpoint file name {name!r}: use a relative path like "
-            f"'model/model.safetensors' ('{MANIFEST}' is reserved)"
-        )
-    return name
-
-
-def _hash_stream(f: BinaryIO, sink: BinaryIO | None = None) -> tuple[int, str]:
-    """Return (size, sha256) of a stream, copying it into ``sink`` on the way if given."""
-    sha, size = hashlib.sha256(), 0
-    while chunk := f.read(_CHUNK):
-        sha.update(chunk)
-        size += len(chunk)
-        if sink is not None:
-            sink.write(chunk)
-    return size, sha.hexdigest()
-
-
-def _put_local_atomic(path: str, data: bytes) -> None:
-    """Write a small local file so readers see either nothing or all of it, even after a crash."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # a leftover tmp after a crash is ignored debris
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class _HashingFile:
-    """Write-only file wrapper that hashes and counts bytes as they stream to storage."""
-
-    def __init__(self, raw: BinaryIO, name: str, on_close: Callable[[str, int, str], None], fsync: bool = False):
-        self._raw, self.name, self._on_close, self._fsync = raw, name, on_close, fsync
-        self._sha, self._size, self.closed = hashlib.sha256(), 0, False
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        view = memoryview(data).cast("B")  # hash the raw bytes of e.g. typed arrays
-        self._raw.write(view)
-        self._sha.update(view)
-        self._size += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def close(self) -> None:
-        """Finish the upload, then record size and hash (only if the upload succeeded)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self._fsync:  # on disk before the manifest that vouches for it (power loss)
-            self._raw.flush()
-            os.fsync(self._raw.fileno())
-        self._raw.close()
-        self._on_close(self.name, self._size, self._sha.hexdigest())
-
-    def discard(self) -> None:
-        """Close without recording the file; the aborting writer deletes whatever was stored."""
-        if not self.closed:
-            self.closed = True
-            with contextlib.suppress(Exception):  # the failure being handled may be this file's
-                self._raw.close()
-
-    def __enter__(self) -> _HashingFile:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        (self.close if exc_type is None else self.discard)()
 
 
 class StepWriter:
@@ -137,9 +63,24 @@ class StepWriter:
         try:
             if self._state == "open" and exc_type is None:
                 self.commit()
+        except OSError as error:
+            self._raise_if_disk_full(error)
+            raise
         finally:
             if self._state == "open":  # the block or the commit failed: nothing is committed
                 self._abort()
+        if isinstance(exc, OSError):
+            self._raise_if_disk_full(exc)
+
+    def _raise_if_disk_full(self, error: OSError) -> None:
+        """A full disk is for the user to fix: one line naming the step instead of an OSError."""
+        if error.errno == errno.ENOSPC:
+            what = f" (file {error.filename})" if error.filename else ""
+            raise CheckpointError(
+                f"no space left on device while writing checkpoint {self._store.step_url(self.step)}{what}; the"
+                " step was not committed and earlier steps are intact: free space (or lower checkpoint.keep_last)"
+                " and rerun to resume from the last committed step"
+            ) from None
 
     def _require_open(self) -> None:
         if self._state != "open":
@@ -152,15 +93,17 @@ class StepWriter:
         self._files[name] = {"size": size, "sha256": sha256}
         self._open = [f for f in self._open if not f.closed]
 
-    def open(self, name: str, mode: str = "wb") -> _HashingFile:
+    def open(self, name: str, mode: str = "wb") -> HashingFile:
         """Open ``name`` for streaming writes; its size and sha256 are recorded on close."""
         if mode != "wb":
             raise ValueError(f"checkpoint files are written with mode 'wb', got {mode!r}")
         self._require_open()
-        path = self._store._step_path(self.step, _check_name(name))
+        path = self._store._step_path(self.step, check_name(name))
         if self._store._local:  # local filesystems need parent directories; object stores do not
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._open.append(_HashingFile(self._store._fs.open(path, "wb"), name, self._record, fsync=self._store._local))
+        raw, local = self._store._fs.open(path, "wb"), self._store._local
+        faults = self._store._die_midway(self.step), self._store._disk_full(self.step)
+        self._open.append(HashingFile(raw, name, self._record, local, *faults))
         return self._open[-1]
 
     def write_bytes(self, name: str, data: bytes) -> None:
@@ -168,12 +111,12 @@ class StepWriter:
             f.write(data)
 
     def write_json(self, name: str, obj: Any) -> None:
-        self.write_bytes(name, _json_bytes(obj))
+        self.write_bytes(name, json_bytes(obj))
 
     def adopt(self, name: str, record: dict[str, Any]) -> None:
         """Count a file another process wrote into this step (``CheckpointStore.put_shard``)."""
         self._require_open()
-        self._record(_check_name(name), int(record["size"]), str(record["sha256"]))
+        self._record(check_name(name), int(record["size"]), str(record["sha256"]))
 
     def put_dir(self, local_dir: str, prefix: str = "") -> list[str]:
         """Upload every file under ``local_dir`` (recursively) as ``{prefix}/{relpath}``."""
@@ -186,7 +129,7 @@ class StepWriter:
                 rel = os.path.relpath(os.path.join(root, fname), local_dir).replace(os.sep, "/")
                 name = f"{prefix}/{rel}" if prefix else rel
                 with open(os.path.join(root, fname), "rb") as src, self.open(name) as dst:
-                    _hash_stream(src, dst)
+                    hash_stream(src, dst)
                 written.append(name)
         return written
 
@@ -196,8 +139,8 @@ class StepWriter:
         self.meta.update(meta or {})
         for f in list(self._open):
             f.close()  # an unclosed handle may still hold buffered, unuploaded bytes
-        manifest = {"step": self.step, "files": dict(sorted(self._files.items())), "meta": self.meta, "created": _now()}
-        data = _json_bytes(manifest)  # serialise first: unserialisable meta fails before writing
+        manifest = {"step": self.step, "files": dict(sorted(self._files.items())), "meta": self.meta, "created": now_iso()}
+        data = json_bytes(manifest)  # serialise first: unserialisable meta fails before writing
         self._store._put(self._store._step_path(self.step, MANIFEST), data)
         self._state = "committed"
         return manifest
@@ -224,6 +167,14 @@ class CheckpointStore:
     def url(self) -> str:
         return self._url
 
+    def _die_midway(self, step: int) -> bool:
+        """RLFLOW_FAULT "<stage>:ckpt_inside:<step>" (a stage store's URL ends with its stage)."""
+        return armed(self._url.rsplit("/", 1)[-1], "ckpt_inside", step)
+
+    def _disk_full(self, step: int) -> bool:
+        """RLFLOW_FAULT "<stage>:disk_full:<step>": the step's first file write raises ENOSPC."""
+        return armed(self._url.rsplit("/", 1)[-1], "disk_full", step)
+
     def step_url(self, step: int) -> str:
         return f"{self._url}/step_{step:06d}"
 
@@ -232,7 +183,7 @@ class CheckpointStore:
 
     def _put(self, path: str, data: bytes) -> None:
         if self._local:
-            _put_local_atomic(path, data)
+            put_local_atomic(path, data)
         else:
             self._fs.pipe_file(path, data)  # a single PUT is all-or-nothing on object stores
 
@@ -291,10 +242,11 @@ class CheckpointStore:
     def put_shard(self, step: int, name: str, data: bytes) -> dict[str, Any]:
         """Write one file of an open step from another rank; return the record the committing
         rank adopts into the manifest. Uncommitted until that manifest exists, like any file."""
-        path = self._step_path(step, _check_name(name))
+        path = self._step_path(step, check_name(name))
         if self._local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        with _HashingFile(self._fs.open(path, "wb"), name, lambda *_: None, fsync=self._local) as f:
+        faults = self._die_midway(step), self._disk_full(step)
+        with HashingFile(self._fs.open(path, "wb"), name, lambda *_: None, self._local, *faults) as f:
             f.write(data)
         return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -339,10 +291,11 @@ class CheckpointStore:
         path, where = self._step_path(step, name), f"{self.step_url(step)}/{name}"
         self._fs.invalidate_cache(path)  # a size cached before a rewrite would truncate reads
         try:
-            with self._fs.open(path, "rb") as f:
-                size, sha = _hash_stream(f, sink)
-        except FileNotFoundError:
+            f = self._fs.open(path, "rb")
+        except FileNotFoundError:  # only the source's absence: a sink's errors are the sink's
             raise CheckpointError(f"{where} is listed in the manifest but missing") from None
+        with f:
+            size, sha = hash_stream(f, sink)
         if (size, sha) != (entry["size"], entry["sha256"]):
             raise CheckpointError(
                 f"{where} is corrupted: size {size} sha256 {sha[:12]}..., "
@@ -353,6 +306,40 @@ class CheckpointStore:
         """Re-hash every file against the manifest; raise CheckpointError naming a bad one."""
         for name, entry in self._require_manifest(step)[1]["files"].items():
             self._stream_checked(step, name, entry)
+
+    def copy_step_from(
+        self, source: CheckpointStore, step: int, retry: Callable[[Callable[[], Any]], Any] | None = None
+    ) -> None:
+        """Make ``step`` here a byte-identical copy of ``source``'s committed step.
+
+        Files first, each hashed against the source's manifest on the way (a mismatch raises
+        CheckpointError naming the source's file), the source's manifest bytes last, so the copy
+        commits only once whole. ``retry(fn)`` runs each storage operation and may repeat it.
+        """
+        retry = retry or (lambda fn: fn())
+        raw, manifest = source._require_manifest(step)
+        retry(lambda: self._clear_step(step))  # never old and new files under one manifest
+        for name, entry in manifest["files"].items():
+            retry(lambda name=name, entry=entry: self._copy_file(source, step, name, entry))
+        retry(lambda: self._put(self._step_path(step, MANIFEST), raw))
+
+    def _copy_file(self, source: CheckpointStore, step: int, name: str, entry: dict[str, Any]) -> None:
+        path = self._step_path(step, check_name(name))
+        if self._local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with HashingFile(self._fs.open(path, "wb"), name, lambda *_: None, self._local) as sink:
+            source._stream_checked(step, name, entry, sink)
+
+    def copy_final_from(self, source: CheckpointStore) -> dict[str, Any]:
+        """Copy ``source``'s final.json here byte for byte and return its record; its step must
+        already be committed here with the same manifest (else CheckpointError)."""
+        record = source.final()
+        if record is None:
+            raise CheckpointError(f"{source.url}/{FINAL} does not exist")
+        if self.manifest_sha256(record["step"]) != record["manifest_sha256"]:
+            raise CheckpointError(f"{self.step_url(record['step'])} is not the step {source.url}/{FINAL} names")
+        self._put(f"{self._path}/{FINAL}", source._cat(f"{source._path}/{FINAL}"))
+        return record
 
     def local_dir(self, step: int, cache_dir: str | None = None) -> str:
         """Return a local directory holding the step's files (e.g. for ``from_pretrained``).
@@ -376,7 +363,7 @@ class CheckpointStore:
                 os.makedirs(os.path.dirname(local_path), exist_ok=True)
                 with open(local_path, "wb") as sink:
                     self._stream_checked(step, name, entry, sink)
-            _put_local_atomic(os.path.join(tmp, MANIFEST), raw)
+            put_local_atomic(os.path.join(tmp, MANIFEST), raw)
             try:
                 os.replace(tmp, dest)
             except OSError:  # fine if a concurrent caller (another rank) finished it first
@@ -385,6 +372,10 @@ class CheckpointStore:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return dest
+
+    def delete_step(self, step: int) -> None:
+        """Delete one step (a rollback), manifest first: never seen half-deleted as committed."""
+        self._clear_step(step)
 
     def prune(self, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Delete old steps; return the step numbers whose directories were removed.
@@ -410,7 +401,7 @@ class CheckpointStore:
     def mark_final(self, step: int, meta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Record ``step`` as this stage's output in ``{prefix}/final.json``; return the record."""
         record = {**(meta or {}), "step": step, "manifest_sha256": self.manifest_sha256(step)}
-        self._put(f"{self._path}/{FINAL}", _json_bytes(record))
+        self._put(f"{self._path}/{FINAL}", json_bytes(record))
         return record
 
     def final(self) -> dict[str, Any] | None:

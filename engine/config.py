@@ -7,22 +7,18 @@ and list the valid keys, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
+import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from rlflow.engine.config_yaml import locator, parse_yaml, read_text
 from rlflow.engine.errors import ConfigError
+from rlflow.engine.secrets import REDACTED, SECRET_KEY_PATTERN, redacted_dict
 
-# Whole key names (or their last "_" part): "hf_token" is secret, "max_new_tokens" is not.
-SECRET_KEY_PATTERN = re.compile(
-    r"^(.*_)?(secret|token|password|passwd|credentials?|access_key|secret_key|api_key|auth|storage_options)$",
-    re.IGNORECASE,
-)
-REDACTED = "***"
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -128,6 +124,26 @@ class PPOConfig(Section):
     max_new_tokens: int = Field(24, ge=1)
     log_every: int = Field(1, ge=1)
 
+    @model_validator(mode="after")
+    def _whole_mini_batches(self) -> PPOConfig:
+        # Each mini-batch gets its own optimizer step with a loss normalised within it, so a short
+        # last mini-batch (rollout_batch % mini_batch rows) would weigh its rows double and take a
+        # noisier step; mini_batch > rollout_batch would silently shrink to rollout_batch. Both
+        # change training without saying so, hence a rule (as in verl): mini-batches tile the batch.
+        if self.rollout_batch % self.mini_batch:
+            n, m = self.rollout_batch, self.mini_batch
+            # The largest divisor not above mini_batch (its memory stays within what was asked), found
+            # in bounded time: huge values fall back to the gcd, a common divisor too.
+            below = range(min(n, m), max(0, min(n, m) - 100_000), -1)
+            closest = next((d for d in below if n % d == 0), math.gcd(n, m))
+            raise ValueError(
+                f"ppo.rollout_batch={self.rollout_batch} is not a multiple of ppo.mini_batch={self.mini_batch}:"
+                " every mini-batch is one optimizer step, so all must be the same size; set ppo.mini_batch to a"
+                f" divisor of ppo.rollout_batch (e.g. {closest}) or ppo.rollout_batch to a multiple of"
+                f" ppo.mini_batch (e.g. {-(-self.rollout_batch // self.mini_batch) * self.mini_batch})"
+            )
+        return self
+
 
 class EvalConfig(Section):
     every_steps: int = Field(10, ge=1)  # during PPO
@@ -164,6 +180,74 @@ class CheckpointConfig(Section):
     consolidate_every: int = Field(5, ge=1)
     keep_best: str | None = None  # e.g. "eval/rm_score": the best evaluated step is never pruned
     keep_best_mode: Literal["max", "min"] = "max"  # "min" for losses and KL
+    # A second copy of every committed step (any fsspec URL), written in the background.
+    mirror: str | None = None
+    mirror_storage_options: dict[str, Any] = Field(default_factory=dict)  # the mirror's credentials: secret
+    mirror_retries: int = Field(8, ge=0)  # retries of each file copy before the step is tried again later
+    mirror_backoff_s: float = Field(1.0, gt=0)  # first retry delay in seconds; doubles up to 60 s
+    # SIGTERM (spot reclaim, pod eviction): checkpoint at the next step boundary within this time.
+    preempt_grace_s: float = Field(120.0, gt=0)
+
+
+class ResumeConfig(Section):
+    # Continue a stage whose identity changed (config, inputs or data); the changed keys become
+    # MLflow tags. Off: a changed finished stage is an error.
+    allow_config_change: bool = False
+
+
+class StagePolicy(Section):
+    """How Prefect runs a stage: retries (each resumes from the last checkpoint) and the watchdog."""
+
+    retries: int | None = Field(None, ge=0)
+    retry_delay_s: float | None = Field(None, ge=0)
+    hang_timeout_s: float | None = Field(None, gt=0)  # no step finished for this long: stacks dumped, stage failed
+
+
+class StageConfig(Section):
+    retries: int = Field(0, ge=0)
+    retry_delay_s: float = Field(10.0, ge=0)
+    hang_timeout_s: float | None = Field(3600.0, gt=0)  # None: no watchdog
+    # Per-stage overrides, e.g. stage.ppo.retries=3; unset fields inherit the values above.
+    sft: StagePolicy = Field(default_factory=StagePolicy)
+    label: StagePolicy = Field(default_factory=StagePolicy)
+    rm: StagePolicy = Field(default_factory=StagePolicy)
+    ppo: StagePolicy = Field(default_factory=StagePolicy)
+    eval: StagePolicy = Field(default_factory=StagePolicy)
+
+    def policy(self, stage: str) -> StagePolicy:
+        """The effective retries, retry delay and hang timeout of one stage."""
+        override: StagePolicy = getattr(self, stage)
+        pick = lambda name: getattr(self, name) if getattr(override, name) is None else getattr(override, name)
+        return StagePolicy(**{name: pick(name) for name in StagePolicy.model_fields})
+
+
+class SafetyConfig(Section):
+    """Guards while training."""
+
+    max_nonfinite_skips: int = Field(3, ge=0)  # consecutive skipped non-finite updates before the stage stops
+    max_kl: float | None = Field(None, gt=0)  # PPO circuit breaker on the rollout KL to the reference
+    kl_patience: int = Field(3, ge=1)  # consecutive steps above max_kl that trip it
+    # How long a paused run (KL breach, reward failure) waits for an operator before it fails.
+    pause_timeout_s: float = Field(86400.0, gt=0)
+
+
+class AlertsConfig(Section):
+    webhook_url: str | None = None  # JSON POST on a KL breach or reward failure: secret (may hold a token)
+    headers: dict[str, str] = Field(default_factory=dict)  # e.g. Authorization: secret
+    timeout_s: float = Field(10.0, gt=0)
+
+
+class RewardConfig(Section):
+    """What PPO does when its reward source fails."""
+
+    on_failure: Literal["pause", "fallback_rule", "fail"] = "pause"
+    fallback_rule: FunctionRef | None = None  # a rule reward (score signature of gold.fn) for fallback_rule
+
+    @model_validator(mode="after")
+    def _rule_given(self) -> RewardConfig:
+        if self.on_failure == "fallback_rule" and self.fallback_rule is None:
+            raise ValueError("reward.on_failure=fallback_rule needs reward.fallback_rule.fn (a 'module:function')")
+        return self
 
 
 class TrackingConfig(Section):
@@ -247,6 +331,11 @@ class Config(Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    resume: ResumeConfig = Field(default_factory=ResumeConfig)
+    stage: StageConfig = Field(default_factory=StageConfig)
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
     def _one_process_unless_deepspeed(self) -> Config:
@@ -266,9 +355,6 @@ class Config(Section):
             "sft.batch_size": self.sft.batch_size,
             "rm.batch_size": self.rm.batch_size,
         }
-        last = self.ppo.rollout_batch % self.ppo.mini_batch
-        if last:
-            shares["the last mini-batch (ppo.rollout_batch % ppo.mini_batch)"] = last
         for what, n in shares.items():
             if n < world:
                 raise ValueError(
@@ -289,29 +375,56 @@ def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+def _is_secret(path: tuple[Any, ...] | list[Any]) -> bool:
+    return any(SECRET_KEY_PATTERN.match(str(part)) for part in path)
+
+
+def _show_value(value: Any) -> str:
+    """repr of a bad value, cut short: a pasted 10 000-item list must not flood the one line."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"
+
+
+def _key_text(loc: tuple[Any, ...]) -> str:
+    """A key path as typed; a key holding a newline or other control character is shown escaped."""
+    key = ".".join(str(p) for p in loc)
+    return key if key.isprintable() else repr(key)[1:-1]
+
+
 def _format_error(error: dict[str, Any], source: str) -> str:
     loc = tuple(error["loc"])
-    key = ".".join(str(p) for p in loc)
+    key = _key_text(loc)
     if error["type"] == "extra_forbidden":
         section = _section_at(loc[:-1])
         valid = ", ".join(sorted(section.model_fields)) if section else "?"
-        where = ".".join(str(p) for p in loc[:-1]) or "top level"
+        where = _key_text(loc[:-1]) or "top level"
         return f"{source}: unknown key '{key}' in {where}; valid keys: {valid}"
     message = error["msg"].removeprefix("Value error, ")
-    if isinstance(error.get("input"), dict):  # a check across keys of a section: its message names them
-        return f"{source}: {message}"
-    return f"{source}: invalid value for '{key}': {error.get('input')!r} ({message})"
+    if error["type"] == "value_error" and isinstance(error.get("input"), dict):
+        return f"{source}: {message}"  # a check across keys of a section: its message names them
+    # A mistyped credential is still a credential: the message names the key, not the value.
+    shown = REDACTED if _is_secret(loc) else _show_value(error.get("input"))
+    return f"{source}: invalid value for '{key}': {shown} ({message})"
+
+
+def _shown_override(text: str) -> str:
+    """An override as it may appear in a message: the value hidden when the key is secret."""
+    key = text.split("=", 1)[0]
+    return repr(f"{key}={REDACTED}" if "=" in text and _is_secret(key.strip().split(".")) else text)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=c` -> (["a", "b"], c) with c parsed as a YAML scalar/list/dict."""
     if "=" not in text or text.startswith("="):
-        raise ConfigError(f"override {text!r} must look like key.path=value, e.g. ppo.steps=20")
+        raise ConfigError(f"override {_shown_override(text)} must look like key.path=value, e.g. ppo.steps=20")
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.__class__.__name__})") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: a date like 2024-13-45
+        raise ConfigError(
+            f"override {_shown_override(text)}: value is not valid YAML ({exc.__class__.__name__});"
+            " quote it, e.g. key='value'"
+        ) from None
     return key.strip().split("."), value
 
 
@@ -321,16 +434,21 @@ def apply_override(tree: dict[str, Any], text: str) -> None:
     for i, part in enumerate(path[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {text!r}: '{'.'.join(path[: i + 1])}' is not a section")
+            raise ConfigError(
+                f"override {_shown_override(text)}: '{'.'.join(path[: i + 1])}' is not a section;"
+                " override one of its keys only when it is a mapping"
+            )
         node = child
     node[path[-1]] = value
 
 
-def build_config(tree: dict[str, Any], source: str) -> Config:
+def build_config(tree: dict[str, Any], source: str, locate: Callable[[tuple[Any, ...]], str] | None = None) -> Config:
+    """Validate a config tree; `locate` turns an error's key path into "file:line" for messages."""
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc.errors()[0], source)) from None
+        error = exc.errors()[0]
+        raise ConfigError(_format_error(error, locate(tuple(error["loc"])) if locate else source)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -338,80 +456,17 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    text = read_text(path)
+    tree = parse_yaml(path, text)
+    if tree is None:  # an empty file: every default
+        tree = {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
     tree = copy.deepcopy(tree)
-    for text in overrides:
-        apply_override(tree, text)
+    for override in overrides:
+        apply_override(tree, override)
     source = f"{path}" + (" (with overrides)" if overrides else "")
-    return build_config(tree, source)
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> {"a.b.c": value}; lists stay values."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value and not SECRET_KEY_PATTERN.match(str(key)):
-            flat.update(flatten(value, name))
-        else:
-            flat[name] = value
-    return flat
-
-
-def redact(tree: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a nested config tree with every secret-looking key's value replaced by '***'."""
-    return split_secrets(tree)[0]
-
-
-def split_secrets(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tree with secret values redacted, a tree holding only the secret values)."""
-    public, secret = {}, {}
-    for key, value in tree.items():
-        if SECRET_KEY_PATTERN.match(str(key)) and value not in (None, {}, ""):
-            public[key], secret[key] = REDACTED, value
-        elif isinstance(value, dict):
-            public[key], inner = split_secrets(value)
-            if inner:
-                secret[key] = inner
-        else:
-            public[key] = value
-    return public, secret
-
-
-def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `base` with `extra`'s leaves written over it (inverse of split_secrets)."""
-    merged = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_trees(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def redacted_dict(config: BaseModel) -> dict[str, Any]:
-    return redact(config.model_dump(mode="json"))
-
-
-def config_hash(section: BaseModel | dict[str, Any]) -> str:
-    """Stable sha256 of a config subtree (secrets included: they change what is read)."""
-    tree = section.model_dump(mode="json") if isinstance(section, BaseModel) else section
-    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
-
-
-def diff_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Flattened keys whose values differ between two config trees (secret values never shown)."""
-    a, b = flatten(old), flatten(new)
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return build_config(tree, source, locator(path, text, overrides))
 
 
 def to_yaml(config: Config) -> str:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
+import lzma
+import re
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,19 +22,22 @@ from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.utils import infer_compression
-
 from rlflow.engine.errors import DataError
+from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
 
 # Extension (after any compression suffix) -> reader kind. ".json" is read as JSON Lines
 # because whole-document JSON arrays cannot be streamed or reported line by line.
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 _OVERFLOW_POLICIES = ("truncate", "drop")
 _HASH_CHUNK = 1 << 20
+_OPTIONS = "data.storage_options"  # the config key that holds the data files' credentials
+# What a corrupt or truncated compressed file raises while it is read (gzip: OSError or EOFError).
+_DECOMPRESS_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 
 _SFT_HINT = "SFT rows need 'prompt' and 'response', or 'messages'"
 _PREF_HINT = "preference rows need 'prompt', 'chosen' and 'rejected'"
 _PROMPT_HINT = "prompt rows need 'prompt'"
-_NOT_UTF8 = "line is not valid UTF-8; re-save the file as UTF-8"
+_LONE_CR = re.compile(r"(?<=\r)(?!\n|$)")  # split after a "\r" that does not end the text or start "\r\n"
 
 Prompt = str | tuple[dict, ...]
 
@@ -105,29 +110,48 @@ def _detect_format(url: str) -> tuple[str, str | None]:
     )
 
 
+def _unreadable(url: str, exc: BaseException, storage_options: dict | None) -> DataError:
+    """A missing file, bucket or backend, refused credentials, a bad option: one line, no secret."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError)) and "bucket" not in str(exc).lower():
+        return DataError(f"data file not found: {url}; check the path in the config")
+    return DataError(f"cannot read data file {url}: {describe_storage_error(url, exc, storage_options, _OPTIONS)}")
+
+
 @contextmanager
 def _open(url: str, storage_options: dict | None, compression: str | None) -> Iterator[BinaryIO]:
-    """Open `url` for binary reading, turning a missing file into a DataError."""
-    opener = fsspec.open(url, mode="rb", compression=compression, **(storage_options or {}))
+    """Open `url` for binary reading, turning storage failures (while opening or reading) into
+    a DataError; a DataError raised by the reader passes through."""
     try:
-        f = opener.open()
-    except (FileNotFoundError, IsADirectoryError):
-        raise DataError(f"data file not found: {url}; check the path in the config") from None
+        f = fsspec.open(url, mode="rb", compression=compression, **(storage_options or {})).open()
+    except STORAGE_ERRORS as exc:
+        raise _unreadable(url, exc, storage_options) from None
     try:
         yield f
+    except _DECOMPRESS_ERRORS as exc:  # OSError too: a network drop mid-file
+        reason = describe_storage_error(url, exc, storage_options, _OPTIONS)
+        hint = f"is it really {compression}-compressed? re-compress it" if compression else "check the file"
+        raise DataError(f"{url}: reading failed ({reason}); {hint} and rerun") from None
     finally:
         f.close()  # also closes the raw handle underneath a decompressor
+
+
+def _decode(url: str, lineno: int, raw: bytes) -> str:
+    """One physical line as text; a bad byte is reported by line and byte offset, because
+    editors show both and a decoder's offset into a read buffer means nothing to the user."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{url}:{lineno}: byte {e.start + 1} of the line (0x{raw[e.start]:02x}) is not valid UTF-8; "
+            "re-save the file as UTF-8"
+        ) from None
+    return text.lstrip("\ufeff") if lineno == 1 else text  # editors on Windows prepend a byte-order mark
 
 
 def _iter_jsonl(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
     """Yield (line, object) for each non-blank line; blank lines are allowed as spacing."""
     for lineno, raw in enumerate(f, start=1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"{url}:{lineno}: {_NOT_UTF8}") from None
-        if lineno == 1:
-            text = text.lstrip("\ufeff")  # editors on Windows prepend a byte-order mark
+        text = _decode(url, lineno, raw)
         if not text.strip():
             continue
         try:
@@ -137,6 +161,8 @@ def _iter_jsonl(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
             if lineno == 1 and text.lstrip().startswith("["):
                 hint = "this looks like a JSON array; JSONL needs one {...} object per line"
             raise DataError(f"{url}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); {hint}") from None
+        except (ValueError, RecursionError) as e:  # a 5000-digit number, nesting deeper than Python's stack
+            raise DataError(f"{url}:{lineno}: unreadable JSON ({_one_line(e)[:120]}); simplify this line") from None
         if not isinstance(row, dict):
             raise DataError(
                 f"{url}:{lineno}: expected a JSON object, got {type(row).__name__}; "
@@ -145,11 +171,23 @@ def _iter_jsonl(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
         yield lineno, row
 
 
+def _csv_lines(url: str, f: BinaryIO) -> Iterator[str]:
+    """Physical lines decoded one at a time, terminators kept (what csv expects of newline="").
+
+    A lone "\r" ends a line too, as in universal-newline mode; UTF-8 never has a 0x0A or 0x0D
+    byte inside a character, so splitting before decoding is safe."""
+    lineno = 0
+    for raw in f:
+        text = _decode(url, lineno + 1, raw)
+        for piece in _LONE_CR.split(text):
+            lineno += 1
+            yield piece
+
+
 def _iter_csv(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
     """Yield (line, row) where line is the physical line a record starts on, so quoted
     multi-line cells still point the user at the right place."""
-    # utf-8-sig strips the byte-order mark Excel writes; newline="" lets csv see quoted newlines.
-    reader = csv.reader(io.TextIOWrapper(f, encoding="utf-8-sig", newline=""))
+    reader = csv.reader(_csv_lines(url, f))
     header: list[str] | None = None
     end = 0  # last physical line consumed so far
     while True:
@@ -158,8 +196,6 @@ def _iter_csv(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
             values = next(reader)
         except StopIteration:
             return
-        except UnicodeDecodeError:
-            raise DataError(f"{url}:{start}: {_NOT_UTF8}") from None
         except csv.Error as e:
             raise DataError(f"{url}:{start}: malformed CSV ({_one_line(e)}); check quoting") from None
         end = reader.line_num
@@ -169,10 +205,10 @@ def _iter_csv(url: str, f: BinaryIO) -> Iterator[tuple[int, dict]]:
             header = _check_header(url, start, values)
             continue
         if len(values) != len(header):
-            raise DataError(
-                f"{url}:{start}: row has {len(values)} fields but the header has {len(header)}; "
-                "quote values that contain commas or newlines"
-            )
+            hint = "quote values that contain commas or newlines"
+            if end > start:  # the record ran over several lines: most likely a quote never closed
+                hint = f"its quoted value runs on to line {end}: check for a missing closing quote"
+            raise DataError(f"{url}:{start}: row has {len(values)} fields but the header has {len(header)}; {hint}")
         yield start, dict(zip(header, values))
 
 
@@ -193,9 +229,34 @@ def _read_parquet(url: str, f: BinaryIO) -> list[tuple[int, dict]]:
 
     try:
         table = pq.read_table(f)
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
-        raise DataError(f"{url} is not a valid Parquet file ({_one_line(e)}); re-export it or use JSONL/CSV") from None
-    return list(enumerate(table.to_pylist(), start=1))
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # random bytes reach every Arrow error type
+        reason = _one_line(e)[:200]
+        raise DataError(f"{url} is not a valid Parquet file ({reason}); re-export it or use JSONL/CSV") from None
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:  # a string column whose bytes are not UTF-8: Arrow decodes them only here
+        raise DataError(_non_utf8_cell(url, table)) from None
+    except pa.ArrowException as e:
+        raise DataError(f"{url}: a column cannot be read ({_one_line(e)[:200]}); re-export the file") from None
+    return list(enumerate(rows, start=1))
+
+
+def _non_utf8_cell(url: str, table: Any) -> str:
+    """Name the first column (and row) whose text is not UTF-8; searched only once reading failed."""
+    fix = "re-export the file with UTF-8 text"
+    for position in range(table.num_columns):
+        try:
+            name = repr(table.schema.field(position).name)
+        except UnicodeDecodeError:
+            return f"{url}: the name of column {position + 1} is not valid UTF-8; {fix}"
+        column = table.column(position)
+        for index in range(len(column)):
+            try:
+                column[index].as_py()
+            except UnicodeDecodeError as e:
+                where = f"{url}:{index + 1}: column {name}"
+                return f"{where} holds bytes that are not valid UTF-8 (byte {e.start + 1}); {fix}"
+    return f"{url}: a text column holds bytes that are not valid UTF-8; {fix}"
 
 
 def read_rows(url: str, storage_options: dict | None = None) -> list[tuple[int, dict]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from rlflow.engine import dist
+from rlflow.engine.errors import NonFiniteUpdates
 from rlflow.engine.backend import OptimSpec, Runtime, TrainEngine
 from rlflow.engine.config import EngineConfig
 from rlflow.engine.optim_state import MOMENTS, ParamState
@@ -74,6 +75,15 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    def _discard_gradients(self) -> None:
+        # ZeRO has already reduced the non-finite gradients into its own partitioned buffers, and
+        # DeepSpeed offers no public way to drop them: stepping would corrupt weights and Adam
+        # state, so the stage stops here instead of skipping (the last checkpoint is intact).
+        raise NonFiniteUpdates(
+            f"{self.name}: non-finite loss under DeepSpeed; the update cannot be skipped there, so the stage stops "
+            "with the last committed checkpoint intact: lower the learning rate or check the data, then run again"
+        )
 
     def _inner_state(self) -> dict:
         return self.engine.optimizer.optimizer.state

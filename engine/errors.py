@@ -15,3 +15,30 @@ class DataError(RlflowError):
 
 class CheckpointError(RlflowError):
     """A checkpoint is missing, uncommitted, corrupted or locked by another run."""
+
+
+class StagePreempted(Exception):
+    """SIGTERM (spot reclaim, eviction): the stage committed a checkpoint and stopped; running
+    it again continues there."""
+
+    exit_code = 143  # 128 + SIGTERM, what schedulers expect of a process that obeyed SIGTERM
+
+
+class StageHung(RuntimeError):
+    """No step finished within stage.hang_timeout_s; a retry resumes from the last checkpoint."""
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient norm."""
+
+
+class RewardSourceError(RuntimeError):
+    """PPO's reward source failed while scoring a batch; reward.on_failure decides what follows."""
+
+
+class RunHalted(RlflowError):
+    """A guard (KL circuit breaker, reward failure) or its operator stopped the run at a committed
+    checkpoint; the message says how to continue it. Not a failure of the input, hence its own
+    exit code."""
+
+    exit_code = 3

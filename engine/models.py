@@ -61,9 +61,51 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 
     tokenizer = _from_pretrained(AutoTokenizer, path, key, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
+        # Padding is masked out and SFT labels come from lengths, so any real id will do; EOS is
+        # one every causal LM has (adding a token would need an embedding row the model lacks).
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(
+                f"{key} {path!r}: the tokenizer has neither a pad nor an EOS token; every response ends"
+                " with EOS, so set eos_token (and pad_token) in its tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def check_shared_vocabulary(policy_path: str, rm_path: str, trust_remote_code: bool = False) -> None:
+    """ConfigError unless a reward model loaded from `rm_path` (rm.init) reads the policy's token ids.
+
+    PPO hands the reward model (and a critic made from it) the policy's sampled ids: with another
+    tokenizer those are out of range (an index error mid-PPO) or mean other words (scores of noise).
+    """
+    from transformers import AutoConfig
+
+    policy = load_tokenizer(policy_path, trust_remote_code, "model.path").get_vocab()
+    reward = load_tokenizer(rm_path, trust_remote_code, "rm.init").get_vocab()
+    fix = f"set rm.init=sft or give a reward model fine-tuned from the model at {policy_path!r}"
+    where = f"rm.init {rm_path!r} and model.path {policy_path!r}"
+    if len(policy) != len(reward):
+        raise ConfigError(
+            f"{where} have different vocabularies ({len(reward)} vs {len(policy)} tokens): the reward model"
+            f" scores the policy's token ids, so it must share its tokenizer; {fix}"
+        )
+    differing = sorted(t for t in policy if reward.get(t) != policy[t])
+    if differing:
+        token = differing[0]
+        raise ConfigError(
+            f"{where} both have {len(policy)} tokens but number them differently (e.g. {token!r}: id"
+            f" {reward.get(token)} vs {policy[token]}): the reward model scores the policy's token ids; {fix}"
+        )
+    # Embedding rows can exceed the tokenizer (padded vocabularies): the policy may sample any row.
+    remote = {"trust_remote_code": trust_remote_code}
+    reward_rows = _from_pretrained(AutoConfig, rm_path, "rm.init", **remote).vocab_size
+    policy_rows = _from_pretrained(AutoConfig, policy_path, "model.path", **remote).vocab_size
+    if reward_rows < policy_rows:
+        raise ConfigError(
+            f"{where}: the reward model has embeddings for {reward_rows} token ids but the policy can sample"
+            f" {policy_rows}; {fix}"
+        )
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

@@ -8,6 +8,8 @@ GPUs and on CPU-only machines alike.
 
 from __future__ import annotations
 
+import os
+
 from rlflow.engine.config import PlacementConfig
 from rlflow.engine.errors import ConfigError
 
@@ -94,3 +96,43 @@ def devices_for(indices: list[int] | None, cuda_visible_devices: str | None) -> 
         return None
     visible = [d.strip() for d in cuda_visible_devices.split(",")] if cuda_visible_devices else None
     return ",".join(visible[i] if visible else str(i) for i in indices)
+
+
+def usable_cpu_count() -> int:
+    """CPU cores this process may run on (its affinity mask: taskset, cgroup cpusets), not the
+    machine's total that os.cpu_count() reports."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def validate_process_count(
+    nproc_per_node: int,
+    train: list[int] | None,
+    num_visible_gpus: int,
+    num_cpus: int,
+    cuda_visible_devices: str | None,
+) -> None:
+    """Raise ConfigError unless each of this node's `nproc_per_node` ranks gets a device of its own.
+
+    On GPUs a rank uses the GPU of its local rank: a rank without one fails at startup (invalid
+    device ordinal), and two on one GPU are refused by NCCL. On CPUs nothing fails, but ranks
+    beyond the cores time-share them while every collective waits for the slowest: always
+    slower than fewer ranks, so it is a config written for another machine.
+    """
+    cvd = _cvd(cuda_visible_devices)
+    if num_visible_gpus > 0:
+        gpus = len(train) if train is not None else num_visible_gpus
+        if nproc_per_node > gpus:
+            given = f"placement.train={train} gives training" if train is not None else "this machine has"
+            raise ConfigError(
+                f"resources.nproc_per_node={nproc_per_node} but {given} {gpus} GPU(s) ({cvd}): every rank needs"
+                f" a GPU of its own - set resources.nproc_per_node to at most {gpus} or make more GPUs visible"
+            )
+    elif nproc_per_node > num_cpus:
+        raise ConfigError(
+            f"resources.nproc_per_node={nproc_per_node} but no GPU is visible ({cvd}) and this process may use"
+            f" {num_cpus} CPU core(s): ranks beyond the cores only slow every step down - set"
+            f" resources.nproc_per_node to at most {num_cpus}, or run on a machine with GPUs"
+        )

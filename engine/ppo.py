@@ -8,8 +8,10 @@ over mini-batches. The maths lives in `algos`; this module only moves tensors be
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rlflow.engine import dist
@@ -29,6 +31,7 @@ from rlflow.engine.algos import (
 from rlflow.engine.backend import LossParts, Runtime, TrainEngine
 from rlflow.engine.batching import batch_indices
 from rlflow.engine.config import PPOConfig
+from rlflow.engine.faults import fault_point
 from rlflow.engine.evaluation import PromptSet, ScoringModels, evaluate_policy, normalised_scores
 from rlflow.engine.models import token_logprobs, token_values
 from rlflow.engine.rollout_service import RolloutService
@@ -42,6 +45,10 @@ from rlflow.engine.rollout import (
     pad_responses,
 )
 from rlflow.engine.train_state import step_seed
+
+if TYPE_CHECKING:
+    from rlflow.engine.data import PromptRecord
+    from rlflow.engine.reward_source import RewardSource
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class PPOModels:
     scoring: ScoringModels  # reward model, reference, SFT policy, gold (evaluation only)
     runtime: Runtime
     rollout: RolloutService | None = None  # rollout.mode=server: samples come from a worker process
+    reward: RewardSource | None = None  # None: the reward model alone (no failure handling, as in evaluation)
 
 
 def sampling_params(cfg: PPOConfig) -> SamplingParams:
@@ -73,14 +81,17 @@ def sampling_params(cfg: PPOConfig) -> SamplingParams:
 
 
 @torch.no_grad()
-def _score_chunk(models: PPOModels, cfg: PPOConfig, batch: RolloutBatch) -> list[torch.Tensor]:
+def _score_chunk(models: PPOModels, cfg: PPOConfig, batch: RolloutBatch, step: int) -> list[torch.Tensor]:
     """[old_logprobs, ref_logprobs, values] ([b, R] each) and normalised scores [b] of one chunk."""
     rows = batch.input_ids.shape[0]
+    scoring = models.scoring
     return [
         batched_logprobs(models.actor.forward, batch, cfg.temperature, chunk=rows),
-        batched_logprobs(models.scoring.reference, batch, cfg.temperature, chunk=rows),
+        batched_logprobs(scoring.reference, batch, cfg.temperature, chunk=rows),
         batched_values(models.critic.forward, batch, chunk=rows),
-        normalised_scores(models.scoring.reward_model, batch, models.scoring.score_norm, rows),
+        models.reward.model_scores(batch, rows, step)
+        if models.reward is not None
+        else normalised_scores(scoring.reward_model, batch, scoring.score_norm, rows),
     ]
 
 
@@ -96,6 +107,7 @@ def _sample_and_score(
     batches: list,
     scored: list,
     checks: list,
+    step: int = 0,
 ) -> float:
     """Sample (or take the worker's samples of) chunk c and score it; keep it if `real`.
     Returns the seconds spent sampling."""
@@ -112,7 +124,7 @@ def _sample_and_score(
             **models.runtime.generate_kwargs(),
         )
     sampled_s = time.monotonic() - started
-    parts = _score_chunk(models, cfg, batch)
+    parts = _score_chunk(models, cfg, batch, step)
     if real:
         batches.append(batch)
         scored.append(parts)
@@ -129,6 +141,8 @@ def make_experience(
     seed: int,
     timings: dict[str, float],
     generate_batch: int,
+    step: int = 0,
+    records: Sequence[PromptRecord] | None = None,
 ) -> Experience:
     """Sample and score one batch. Never calls the gold function: PPO sees only the reward model.
 
@@ -150,8 +164,11 @@ def make_experience(
     with models.runtime.inference(), models.runtime.onloaded(*frozen):
         for c, real in dist.rank_chunks(len(prompts), generate_batch):
             gen_s += _sample_and_score(
-                models, cfg, prompts, c, real, served, generate_batch, seed, batches, scored, checks
+                models, cfg, prompts, c, real, served, generate_batch, seed, batches, scored, checks, step
             )
+            fault_point("ppo", "rollout", step)
+        if models.reward is not None:  # a failed reward source raises here, on every rank alike
+            models.reward.settle()
     if models.rollout is not None:
         timings.update(models.rollout.metrics(checks))
     local = merge_rollouts(batches, pad)
@@ -170,6 +187,8 @@ def make_experience(
     batch = RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask, prompt_width, batch.response_texts)
     old_logprobs, ref_logprobs, values = (gather(pad_responses([s[i] for s in scored])) for i in range(3))
     scores = gather(torch.cat([s[3] for s in scored]))
+    if models.reward is not None:  # records: the prompts' rows, for a fallback rule reward
+        scores = models.reward.final_scores(scores, records, batch.response_texts)
     mask = batch.response_mask
     kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl.estimator) * mask
     rewards = compute_token_rewards(scores, kl, mask, kl_coef)
@@ -222,14 +241,22 @@ def loss_units(mask: torch.Tensor, mode: str) -> float:
 
 
 def ppo_update(
-    models: PPOModels, exp: Experience, cfg: PPOConfig, update_actor: bool, seed: int, timings: dict[str, float]
+    models: PPOModels,
+    exp: Experience,
+    cfg: PPOConfig,
+    update_actor: bool,
+    seed: int,
+    timings: dict[str, float],
+    step: int = 0,
 ) -> dict[str, float]:
     """`cfg.epochs` passes of clipped actor and critic updates over shuffled mini-batches.
 
     Mini-batches are drawn from the whole batch (the same on every rank); each rank trains on its
     share, cut into micro-batches. During critic warm-up (`update_actor` False) the actor is not
-    run. Returns metrics averaged over mini-batches; adds timing_s/update_actor and _critic.
+    run. Returns metrics averaged over mini-batches, and "skipped": 1.0 if any update was skipped
+    for a non-finite loss or gradient norm; adds timing_s/update_actor and _critic.
     """
+    skipped = 0.0
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     generator = torch.Generator().manual_seed(seed)
@@ -246,6 +273,8 @@ def ppo_update(
             for name, engine, loss_fn in parts:
                 started = time.monotonic()
                 out = engine.train_step(micro, units, lambda model, m, f=loss_fn: f(model, exp, m, cfg))
+                fault_point("ppo", "update", step)
+                skipped = max(skipped, out["skipped"])
                 metrics = {k: v for k, v in out.items() if k.startswith(f"{name}/")}
                 metrics[f"{name}/{'pg_loss' if name == 'actor' else 'vf_loss'}"] = out["loss"]
                 metrics[f"{name}/grad_norm"] = out["grad_norm"]
@@ -254,7 +283,7 @@ def ppo_update(
                 )
                 for key, value in metrics.items():
                     sums[key], counts[key] = sums.get(key, 0.0) + value, counts.get(key, 0) + 1
-    return {k: v / counts[k] for k, v in sums.items()}
+    return {k: v / counts[k] for k, v in sums.items()} | {"skipped": skipped}
 
 
 def experience_metrics(exp: Experience, kl_coef: float) -> dict[str, float]:
@@ -271,6 +300,8 @@ def experience_metrics(exp: Experience, kl_coef: float) -> dict[str, float]:
         "critic/values/mean": float(masked_mean(exp.values, mask)),
         "critic/vf_explained_var": float(explained_variance(exp.values, exp.returns, mask)),
         "response_length/mean": float(mask.sum(1).mean()),
+        # Which tokens were drawn, exactly: equal checksums across runs mean identical samples.
+        "rollout/response_ids_crc32": float(zlib.crc32((exp.batch.response_ids * mask.long()).numpy().tobytes())),
     }
 
 
@@ -296,10 +327,14 @@ def ppo_step(
         step_seed(seed, round_index, step, 4),
         timings,
         generate_batch,
+        step,
+        [prompts.records[i] for i in index],
     )
     metrics = experience_metrics(exp, kl_controller.value)
     metrics.update(
-        ppo_update(models, exp, cfg, step > cfg.critic_warmup_steps, step_seed(seed, round_index, step, 5), timings)
+        ppo_update(
+            models, exp, cfg, step > cfg.critic_warmup_steps, step_seed(seed, round_index, step, 5), timings, step
+        )
     )
     if models.rollout is not None:  # the worker samples the next step with the updated actor
         timings.update(models.rollout.sync(models.actor))

@@ -1,7 +1,9 @@
-"""The PPO stage: load the four models, run PPO steps with checkpoints, evaluations and KL stop."""
+"""The PPO stage: load the four models, run PPO steps with checkpoints, evaluations, KL stop and
+the guards (KL circuit breaker, reward-source failures: engine/breaker.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -14,21 +16,25 @@ from rlflow.engine.data import load_prompts
 from rlflow.engine.evaluation import PromptSet, ScoringModels, encode_prompt_set
 from rlflow.engine import dist
 from rlflow.engine.backend import OptimSpec, Runtime
+from rlflow.engine.breaker import Breach, PPOGuards, PPOSafety, paused_outcome
+from rlflow.engine.errors import RewardSourceError
 from rlflow.engine.rollout_service import RolloutService
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_kwargs
 from rlflow.engine.ppo import PPOModels, make_controller, ppo_step, run_evaluation
+from rlflow.engine.stage_guard import StageGuard
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
     completed_outcome,
-    fault_point,
     finish,
-    latest_resumable,
     restore_training_state,
     save_checkpoint,
     should_consolidate,
+    start_stage,
 )
 from rlflow.engine.train_state import step_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,24 +95,43 @@ def run_ppo_stage(
     gold: Callable[..., Any],
     rollout: RolloutConfig = RolloutConfig(),
     rollout_devices: str | None = None,
+    guards: PPOGuards = PPOGuards(),
 ) -> StageOutcome:
-    """Run `cfg.steps` PPO steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible."""
+    """Run `cfg.steps` PPO steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible.
+    A KL breach, or a reward failure under reward.on_failure=pause, returns an unfinished outcome
+    with `breach` set (a committed checkpoint, no final.json) instead."""
     if (done := completed_outcome(ctx)) is not None:
         return done
-    resume = latest_resumable(ctx)
+    resume, changed = start_stage(ctx)
+    guard = StageGuard(ctx, resume)
     models = load_ppo_models(inputs, model_cfg, cfg, gold, ctx.runtime)
     prompts, eval_prompts = load_prompt_sets(models.tokenizer, data, eval_cfg, ctx.sink)
     controller = make_controller(cfg)
     state: dict[str, Any] = {"best": None, "best_step": None, "stopped_by_kl": False}
-    step = 0
+    step, saved_guards = 0, None
     if resume is not None:
         meta = restore_training_state(ctx, resume, {"model": models.actor, "critic": models.critic})
         controller.load_state_dict(meta["kl_controller"])
-        step, state = resume, meta["ppo_state"]
+        step, state, saved_guards = resume, meta["ppo_state"], meta.get("guards")
+    safety = PPOSafety(guards, ctx.label, saved_guards, resume, controller, models.scoring)
+    models.reward = safety.reward
+    committed = resume  # the newest step this stage holds: a pause commits its step only if needed
 
     def evaluate():  # same prompts and seed at every evaluation, so steps compare fairly
         seed = step_seed(ctx.seed, ctx.round_index, 7)
         return run_evaluation(models, eval_prompts, cfg, seed, eval_cfg.batch_size, eval_cfg.num_logged_samples)
+
+    def commit(at: int, whole: bool, breach: Breach | None = None) -> str:
+        nonlocal committed
+        url = _commit(ctx, models, controller, state, safety.state_dict(breach), at, cfg.rollout_batch, whole)
+        committed = at
+        return url
+
+    def pause(at: int, breach: Breach) -> StageOutcome:
+        if committed != at:
+            commit(at, True, breach)  # whole model directories: the operator may want to look at it
+        log.warning("%s: %s", ctx.label, breach.message)
+        return paused_outcome(ctx, breach, _summary(metrics, at, state) | safety.summary(), resume, changed)
 
     if rollout.mode == "server":
         log_path = os.path.join(tempfile.gettempdir(), f"rlflow-rollout-{ctx.identity[:12]}-rank{dist.rank()}.log")
@@ -115,37 +140,38 @@ def run_ppo_stage(
         )
     try:
         started, metrics = time.monotonic(), {}
-        while step < cfg.steps and not state["stopped_by_kl"]:
-            step += 1
-            fault_point("ppo", "step", step)
-            metrics = ppo_step(
-                models, controller, cfg, prompts, ctx.seed, ctx.round_index, step, rollout.generate_batch
-            )
-            state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
-            metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
-            last = step >= cfg.steps or state["stopped_by_kl"]
-            if step % eval_cfg.every_steps == 0 or last:
-                eval_metrics, samples = evaluate()
-                metrics.update(eval_metrics)
-                _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
-                if last:
-                    ctx.sink.log_table("eval_samples.json", samples)
-            metrics["timing_s/elapsed"] = time.monotonic() - started
-            if step % cfg.log_every == 0 or last:
-                ctx.sink.log_metrics(metrics, step)
-            if step % ctx.every_steps == 0 or last or state["best_step"] == step:
-                save_checkpoint(
-                    ctx,
-                    step,
-                    {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
-                    {
-                        "kl_controller": controller.state_dict(),
-                        "ppo_state": dict(state),
-                        "data_position": {"prompts_seen": step * cfg.rollout_batch},
-                    },
-                    should_consolidate(ctx, step, last) or state["best_step"] == step,
-                    protect={state["best_step"]} if state["best_step"] else set(),
-                )
+        with guard:
+            while step < cfg.steps and not state["stopped_by_kl"]:
+                step += 1
+                guard.begin(step)
+                models.actor.poison_loss = models.critic.poison_loss = guard.poisoned(step)
+                args = (models, controller, cfg, prompts, ctx.seed, ctx.round_index, step, rollout.generate_batch)
+                try:
+                    metrics = ppo_step(*args)
+                except RewardSourceError as exc:  # raised before any update of this step
+                    if (breach := safety.reward_failed(exc, step, metrics)) is not None:
+                        return pause(step - 1, breach)
+                    metrics = ppo_step(*args)  # the same step again, scored by the fallback rule
+                metrics |= guard.record_update(bool(metrics.pop("skipped")), step)
+                state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
+                metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
+                breach = safety.observe(step, metrics, state["stopped_by_kl"])
+                last = step >= cfg.steps or state["stopped_by_kl"]
+                if breach is None and (step % eval_cfg.every_steps == 0 or last):
+                    eval_metrics, samples = evaluate()
+                    metrics.update(eval_metrics)
+                    _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
+                    if last:
+                        ctx.sink.log_table("eval_samples.json", samples)
+                metrics["timing_s/elapsed"] = time.monotonic() - started
+                guard.end(step)
+                if step % cfg.log_every == 0 or last or breach is not None:
+                    ctx.sink.log_metrics(metrics, step)
+                if breach is not None:
+                    return pause(step, breach)
+                if guard.checkpoint_due(step, last) or state["best_step"] == step:
+                    url = commit(step, should_consolidate(ctx, step, last) or state["best_step"] == step)
+                    guard.after_checkpoint(step, url)
     finally:
         if models.rollout is not None:
             models.rollout.close()
@@ -153,12 +179,41 @@ def run_ppo_stage(
         eval_metrics, samples = evaluate()
         metrics.update(eval_metrics)
         ctx.sink.log_table("eval_samples.json", samples)
+    return finish(ctx, step, _summary(metrics, step, state) | safety.summary(), resume, changed)
+
+
+def _commit(
+    ctx: StageContext,
+    models: PPOModels,
+    controller: Any,
+    state: dict[str, Any],
+    guards: dict[str, Any],
+    step: int,
+    rollout_batch: int,
+    whole: bool,
+) -> str:
+    """Commit a PPO step: actor and critic, KL controller, loop state and the guards' state."""
+    return save_checkpoint(
+        ctx,
+        step,
+        {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
+        {
+            "kl_controller": controller.state_dict(),
+            "ppo_state": dict(state),
+            "guards": guards,
+            "data_position": {"prompts_seen": step * rollout_batch},
+        },
+        whole,
+        protect={state["best_step"]} if state["best_step"] else set(),
+    )
+
+
+def _summary(metrics: dict[str, float], step: int, state: dict[str, Any]) -> dict[str, float]:
     keep = ("critic/score/mean", "actor/kl", "eval/gold_score", "eval/rm_score", "eval/kl", "response_length/mean")
-    summary = {k: metrics[k] for k in keep if k in metrics} | {
+    return {k: metrics[k] for k in keep if k in metrics} | {
         "ppo/steps": step,
         "ppo/stopped_by_kl": float(state["stopped_by_kl"]),
     }
-    return finish(ctx, step, summary, resume)
 
 
 def _track_best(state: dict[str, Any], metric: str | None, mode: str, metrics: dict[str, float], step: int) -> None:

@@ -14,16 +14,17 @@ from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair
 from rlflow.engine.config import DataConfig, ModelConfig, RewardModelConfig
 from rlflow.engine.data import PreferencePair, load_preference_pairs, load_sft_examples
 from rlflow.engine.models import load_scalar_model, load_tokenizer, model_kwargs, sequence_scores
+from rlflow.engine.faults import fault_point
+from rlflow.engine.stage_guard import StageGuard
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
     completed_outcome,
-    fault_point,
     finish,
-    latest_resumable,
     restore_training_state,
     save_checkpoint,
     should_consolidate,
+    start_stage,
 )
 
 
@@ -122,7 +123,7 @@ def rm_train_step(engine: TrainEngine, runtime, rows, pad_id: int, batch_size: i
 
     out = engine.train_step(batches, [float(len(b)) for b in batches], loss_fn)
     return {"rm/loss": out["loss"], "rm/grad_norm": out["grad_norm"], "rm/lr": out["lr"]} | {
-        k: out[k] for k in ("rm/train_accuracy", "rm/margin")
+        k: out[k] for k in ("rm/train_accuracy", "rm/margin", "skipped")
     }
 
 
@@ -138,7 +139,8 @@ def run_reward_model_stage(
     accuracy on data.preferences_eval (clean gold labels)."""
     if (done := completed_outcome(ctx)) is not None:
         return done
-    resume = latest_resumable(ctx)
+    resume, changed = start_stage(ctx)
+    guard = StageGuard(ctx, resume)
     tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
     pad = tokenizer.pad_token_id
 
@@ -164,34 +166,42 @@ def run_reward_model_stage(
         restore_training_state(ctx, resume, {"model": engine})
         step = resume
     started, metrics = time.monotonic(), {}
-    while step < total_steps:
-        step += 1
-        fault_point("rm", "step", step)
-        metrics = rm_train_step(engine, ctx.runtime, train_rows, pad, cfg.batch_size, step, ctx)
-        metrics["timing_s/elapsed"] = time.monotonic() - started
-        if step % cfg.log_every == 0 or step == total_steps:
-            if step == total_steps:
-                metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
-            ctx.sink.log_metrics(metrics, step)
-        if step % ctx.every_steps == 0 or step == total_steps:
-            if step == total_steps:
-                reference = [
-                    encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
-                    for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]
-                ]
-                metrics["rm/score_mean"], metrics["rm/score_std"] = score_statistics(engine.forward, reference, pad)
-            save_checkpoint(
-                ctx,
-                step,
-                {"model": (engine, tokenizer)},
-                {
-                    "score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)],
-                    "data_position": {"pairs_seen": step * cfg.batch_size},
-                },
-                should_consolidate(ctx, step, step == total_steps),
-            )
+    with guard:
+        while step < total_steps:
+            step += 1
+            guard.begin(step)
+            engine.poison_loss = guard.poisoned(step)
+            metrics = rm_train_step(engine, ctx.runtime, train_rows, pad, cfg.batch_size, step, ctx)
+            metrics |= guard.record_update(bool(metrics.pop("skipped")), step)
+            fault_point("rm", "update", step)
+            metrics["timing_s/elapsed"] = time.monotonic() - started
+            guard.end(step)
+            last = step == total_steps
+            if step % cfg.log_every == 0 or last:
+                if last:
+                    metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
+                ctx.sink.log_metrics(metrics, step)
+            if guard.checkpoint_due(step, last):
+                if last:
+                    reference = [
+                        encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
+                        for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]
+                    ]
+                    metrics["rm/score_mean"], metrics["rm/score_std"] = score_statistics(engine.forward, reference, pad)
+                url = save_checkpoint(
+                    ctx,
+                    step,
+                    {"model": (engine, tokenizer)},
+                    {
+                        "score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)],
+                        "data_position": {"pairs_seen": step * cfg.batch_size},
+                    },
+                    should_consolidate(ctx, step, last),
+                )
+                guard.after_checkpoint(step, url)
     if "rm/accuracy" not in metrics:  # resumed exactly at the last step
         metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
     metrics["rm/score_mean"], metrics["rm/score_std"] = ctx.store.manifest(step)["meta"]["score_norm"]
     keep = ("rm/loss", "rm/accuracy", "rm/score_mean", "rm/score_std")
-    return finish(ctx, step, {k: metrics[k] for k in keep if k in metrics} | {"rm/pairs": len(train_rows)}, resume)
+    summary = {k: metrics[k] for k in keep if k in metrics} | {"rm/pairs": len(train_rows)}
+    return finish(ctx, step, summary, resume, changed)

@@ -12,7 +12,8 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from rlflow.engine.checkpoint import LOCK, _json_bytes, _now
+from rlflow.engine.checkpoint import LOCK
+from rlflow.engine.checkpoint_files import json_bytes, now_iso
 from rlflow.engine.errors import CheckpointError
 
 
@@ -61,7 +62,7 @@ class RunLock:
 
     def _create(self) -> bool:
         """Write our lock unless one appeared meanwhile; return whether we now hold it."""
-        data = _json_bytes({"host": socket.gethostname(), "pid": os.getpid(), "started": _now()})
+        data = json_bytes({"host": socket.gethostname(), "pid": os.getpid(), "started": now_iso()})
         if not isinstance(self._fs, LocalFileSystem):  # no exclusive create here; race accepted
             self._fs.pipe_file(self._path, data)
             return True

@@ -19,16 +19,17 @@ from rlflow.engine.batching import (
 from rlflow.engine.config import DataConfig, ModelConfig, SFTConfig
 from rlflow.engine.data import load_sft_examples
 from rlflow.engine.models import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
+from rlflow.engine.faults import fault_point
+from rlflow.engine.stage_guard import StageGuard
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
     completed_outcome,
-    fault_point,
     finish,
-    latest_resumable,
     restore_training_state,
     save_checkpoint,
     should_consolidate,
+    start_stage,
 )
 
 
@@ -86,7 +87,8 @@ def run_sft_stage(
     """
     if (done := completed_outcome(ctx)) is not None:
         return done
-    resume = latest_resumable(ctx)
+    resume, changed = start_stage(ctx)
+    guard = StageGuard(ctx, resume)
     tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.max_steps, cfg.max_grad_norm)
     engine = ctx.runtime.trainable("model", lambda: load_policy(init_path, **model_kwargs(model_cfg)), optim)
@@ -99,33 +101,39 @@ def run_sft_stage(
     if resume is not None:
         step, state = resume, restore_training_state(ctx, resume, {"model": engine})["sft_state"]
     started, metrics = time.monotonic(), {}
-    while step < cfg.max_steps and state["bad_evals"] < cfg.patience:
-        step += 1
-        fault_point("sft", "step", step)
-        metrics = sft_train_step(engine, ctx.runtime, train_rows, tokenizer.pad_token_id, cfg.batch_size, step, ctx)
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            metrics["sft/eval_loss"] = heldout_loss(engine.forward, eval_rows, tokenizer.pad_token_id)
-            improved = metrics["sft/eval_loss"] < state["best_eval_loss"] * 0.99
-            state = {
-                "best_eval_loss": min(state["best_eval_loss"], metrics["sft/eval_loss"]),
-                "bad_evals": 0 if improved else state["bad_evals"] + 1,
-            }
-        metrics["timing_s/elapsed"] = time.monotonic() - started
-        if step % cfg.log_every == 0 or "sft/eval_loss" in metrics:
-            ctx.sink.log_metrics(metrics, step)
-        done_now = step >= cfg.max_steps or state["bad_evals"] >= cfg.patience
-        if step % ctx.every_steps == 0 or done_now:
-            save_checkpoint(
-                ctx,
-                step,
-                {"model": (engine, tokenizer)},
-                {"sft_state": state, "data_position": {"examples_seen": step * cfg.batch_size}},
-                should_consolidate(ctx, step, done_now),
-            )
+    with guard:
+        while step < cfg.max_steps and state["bad_evals"] < cfg.patience:
+            step += 1
+            guard.begin(step)
+            engine.poison_loss = guard.poisoned(step)
+            metrics = sft_train_step(engine, ctx.runtime, train_rows, tokenizer.pad_token_id, cfg.batch_size, step, ctx)
+            metrics |= guard.record_update(bool(metrics.pop("skipped")), step)
+            fault_point("sft", "update", step)
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                metrics["sft/eval_loss"] = heldout_loss(engine.forward, eval_rows, tokenizer.pad_token_id)
+                improved = metrics["sft/eval_loss"] < state["best_eval_loss"] * 0.99
+                state = {
+                    "best_eval_loss": min(state["best_eval_loss"], metrics["sft/eval_loss"]),
+                    "bad_evals": 0 if improved else state["bad_evals"] + 1,
+                }
+            metrics["timing_s/elapsed"] = time.monotonic() - started
+            guard.end(step)
+            if step % cfg.log_every == 0 or "sft/eval_loss" in metrics:
+                ctx.sink.log_metrics(metrics, step)
+            done_now = step >= cfg.max_steps or state["bad_evals"] >= cfg.patience
+            if guard.checkpoint_due(step, done_now):
+                url = save_checkpoint(
+                    ctx,
+                    step,
+                    {"model": (engine, tokenizer)},
+                    {"sft_state": state, "data_position": {"examples_seen": step * cfg.batch_size}},
+                    should_consolidate(ctx, step, done_now),
+                )
+                guard.after_checkpoint(step, url)
     final_metrics = {"sft/eval_loss": state["best_eval_loss"], "sft/steps": step}
     if "sft/loss" in metrics:  # absent when resumed exactly at the last step
         final_metrics["sft/loss"] = metrics["sft/loss"]
-    return finish(ctx, step, final_metrics, resume)
+    return finish(ctx, step, final_metrics, resume, changed)
 
 
 def sft_train_step(
@@ -152,4 +160,5 @@ def sft_train_step(
         return LossParts(loss_sum, float(count))
 
     out = engine.train_step(batches, units, loss_fn)
-    return {"sft/loss": out["loss"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"], "sft/tokens": out["units"]}
+    names = {"sft/loss": "loss", "sft/grad_norm": "grad_norm", "sft/lr": "lr", "sft/tokens": "units"}
+    return {name: out[key] for name, key in names.items()} | {"skipped": out["skipped"]}

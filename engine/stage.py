@@ -8,22 +8,33 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
+import logging
 import os
+import platform
+import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rlflow.engine import dist
 from rlflow.engine.backend import Runtime, TrainEngine
 from rlflow.engine.checkpoint import CheckpointStore
-from rlflow.engine.config import diff_keys
+from rlflow.engine.faults import fault_point
+from rlflow.engine.secrets import diff_keys
+from rlflow.engine.stage_guard import GuardLimits
+from rlflow.engine.train_state import seed_everything, step_seed
 from rlflow.engine.errors import CheckpointError
 from rlflow.engine.metrics import MetricsSink, NullSink
+from rlflow.engine.mirror import CheckpointMirror, MirrorLagSink
 from rlflow.engine.models import save_model_dir
 from rlflow.engine.optim_state import STATE_FILE, ShardReader, owned, restore_rng, shard_bytes, shard_name, state_json
 
-FAULT_ENV = "RLFLOW_FAULT"  # "<stage>:<event>:<step>": die (os._exit) at that point, for kill tests
+if TYPE_CHECKING:
+    from rlflow.engine.breaker import Breach
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,14 @@ class StageContext:
     consolidate_every: int = 1  # checkpoints between whole HF model directories (the last is always whole)
     sink: MetricsSink = field(default_factory=NullSink)
     runtime: Runtime = field(default_factory=Runtime)  # torch in this process, or this rank's DeepSpeed
+    limits: GuardLimits = field(default_factory=GuardLimits)  # watchdog, preemption, non-finite skips
+    allow_config_change: bool = False  # resume.allow_config_change: continue a stage whose identity changed
+    mirror: CheckpointMirror | None = None  # checkpoint.mirror: a second copy of every committed step
+
+    def __post_init__(self) -> None:
+        # Every logged step reports checkpoint/mirror_lag_steps without the stage loops knowing.
+        if self.mirror is not None and not isinstance(self.sink, MirrorLagSink):
+            object.__setattr__(self, "sink", MirrorLagSink(self.sink, self.mirror))
 
     @property
     def label(self) -> str:
@@ -57,6 +76,8 @@ class StageOutcome:
     metrics: dict[str, float]
     resumed_from: int | None = None
     skipped: bool = False  # True when the final marker already matched (nothing was run)
+    changed_keys: tuple[str, ...] = ()  # identity keys changed under resume.allow_config_change
+    breach: Breach | None = None  # PPO stopped for an operator (engine/breaker.py): not finished, no final.json
 
 
 def compute_identity(tree: dict[str, Any]) -> str:
@@ -69,18 +90,23 @@ def completed_outcome(ctx: StageContext) -> StageOutcome | None:
     A finished stage with a different identity is an error saying what changed: re-running it
     would silently replace an output later stages were trained from.
     """
+    if ctx.mirror is not None:
+        if dist.is_main():  # a final.json or step lost or damaged on the primary comes back from the mirror
+            ctx.mirror.repair_final()
+        dist.barrier()  # the other ranks read final.json once rank 0 has repaired it
     final = ctx.store.final()
     if final is None:
         return None
+    changed: tuple[str, ...] = ()
     if final.get("identity") != ctx.identity:
-        # "config.ppo.clip_ratio" -> "ppo.clip_ratio"; "inputs.policy" and "data.sft" stay as they are.
-        changed = [k.removeprefix("config.") for k in diff_keys(final.get("identity_tree", {}), ctx.identity_tree)] or [
-            "(inputs)"
-        ]
-        raise CheckpointError(
-            f"stage round_{ctx.round_index}/{ctx.stage} at {ctx.store.url} already finished with a different "
-            f"configuration or inputs (changed: {', '.join(changed[:8])}); use a new run.name to run it again"
-        )
+        changed = changed_keys(final.get("identity_tree", {}), ctx.identity_tree)
+        if not ctx.allow_config_change:
+            raise CheckpointError(
+                f"stage round_{ctx.round_index}/{ctx.stage} at {ctx.store.url} already finished with a different "
+                f"configuration or inputs (changed: {', '.join(changed[:8])}); use a new run.name to run it again, "
+                "or resume.allow_config_change=true to keep its output"
+            )
+        log.warning("%s: finished under another configuration (changed: %s); its output is kept", ctx.label, changed)
     return StageOutcome(
         stage=ctx.stage,
         round_index=ctx.round_index,
@@ -89,13 +115,23 @@ def completed_outcome(ctx: StageContext) -> StageOutcome | None:
         manifest_sha256=final["manifest_sha256"],
         metrics=final.get("metrics", {}),
         skipped=True,
+        changed_keys=changed,
     )
 
 
-def fault_point(stage: str, event: str, step: int) -> None:
-    """Die like a SIGKILL (no cleanup) when RLFLOW_FAULT names this point; used by kill tests."""
-    if os.environ.get(FAULT_ENV) == f"{stage}:{event}:{step}":
-        os._exit(137)
+def changed_keys(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, ...]:
+    """Identity-tree keys that differ: "config.ppo.clip_ratio" -> "ppo.clip_ratio"; "inputs.policy"
+    and "data.sft" stay as they are."""
+    return tuple(k.removeprefix("config.") for k in diff_keys(recorded, current)) or ("(inputs)",)
+
+
+def software_versions() -> dict[str, str]:
+    """Versions recorded with every checkpoint (metadata lookups: nothing heavy is imported)."""
+    versions = {"python": platform.python_version()}
+    for package in ("rlflow", "torch", "transformers", "deepspeed", "safetensors"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
+    return versions
 
 
 def save_checkpoint(
@@ -138,15 +174,25 @@ def save_checkpoint(
             for rank_records in every_rank:
                 for name, record in rank_records.items():
                     writer.adopt(name, record)
-            fault_point(ctx.stage, "mid_checkpoint", step)
+            fault_point(ctx.stage, "ckpt_files", step)
             writer.write_bytes(STATE_FILE, state_json(engines_meta))
-            writer.meta.update(meta, identity=ctx.identity, consolidated=consolidate)
+            writer.meta.update(
+                meta,
+                identity=ctx.identity,
+                identity_tree=ctx.identity_tree,
+                versions=software_versions(),
+                consolidated=consolidate,
+            )
     dist.barrier()
     if dist.is_main():
-        fault_point(ctx.stage, "after_checkpoint", step)
+        fault_point(ctx.stage, "ckpt_manifest", step)
         # The step just written always survives: steps left by an abandoned run with another
         # identity must not push it out of keep_last.
-        ctx.store.prune(ctx.keep_last, protect=set(protect) | {step})
+        spare = set(protect) | {step}
+        if ctx.mirror is not None:  # copied in the background; steps not on the mirror yet stay
+            ctx.mirror.submit(step, keep=set(protect))
+            spare |= ctx.mirror.protected()
+        ctx.store.prune(ctx.keep_last, protect=spare)
     dist.barrier()
     return ctx.store.step_url(step)
 
@@ -156,10 +202,74 @@ def should_consolidate(ctx: StageContext, step: int, last: bool) -> bool:
     return last or (step // ctx.every_steps) % ctx.consolidate_every == 0
 
 
+def start_stage(ctx: StageContext) -> tuple[int | None, tuple[str, ...]]:
+    """Seed every RNG from (run seed, round, stage), so a process's random state never depends on
+    what ran before it; return the step to resume from (None: start afresh) and, when that step
+    was written under another identity (resume.allow_config_change), the keys that changed.
+
+    An interrupted stage whose config, inputs or data changed is an error otherwise: resuming
+    would silently mix two configurations, restarting would silently drop the steps done."""
+    seed_everything(step_seed(ctx.seed, ctx.round_index, zlib.crc32(ctx.stage.encode())))
+    step, newest = latest_resumable(ctx), ctx.store.latest()
+    if newest is None or newest == step or _resumable(ctx, ctx.store.manifest(newest)["meta"]):
+        if step is not None:
+            _warn_on_version_change(ctx, step)
+        return step, ()
+    changed = changed_keys(ctx.store.manifest(newest)["meta"].get("identity_tree", {}), ctx.identity_tree)
+    if not ctx.allow_config_change:
+        raise CheckpointError(
+            f"stage round_{ctx.round_index}/{ctx.stage} at {ctx.store.url} was interrupted at step {newest} under a "
+            f"different configuration or inputs (changed: {', '.join(changed[:8])}); continue it with "
+            "resume.allow_config_change=true (the changed keys become MLflow tags) or use a new run.name"
+        )
+    log.warning("%s: continuing step %d under a changed configuration (changed: %s)", ctx.label, newest, changed)
+    return newest, changed
+
+
+def _warn_on_version_change(ctx: StageContext, step: int) -> None:
+    recorded, current = ctx.store.manifest(step)["meta"].get("versions", {}), software_versions()
+    changed = {k: (recorded[k], v) for k, v in current.items() if k in recorded and recorded[k] != v}
+    if changed:
+        log.warning("%s: resuming step %d written by other software versions: %s", ctx.label, step, changed)
+
+
 def latest_resumable(ctx: StageContext) -> int | None:
-    """Latest committed step of this stage's identity (steps from another identity are ignored)."""
-    for step in reversed(ctx.store.committed_steps()):
-        if ctx.store.manifest(step)["meta"].get("identity") == ctx.identity:
+    """Latest committed step of this stage's identity (steps from another identity are ignored).
+
+    With a mirror, rank 0 also considers the mirror's steps, verifies the chosen step's files
+    (sha256) and restores it from the mirror when the primary's copy is gone or damaged; every
+    rank resumes from that step."""
+    if ctx.mirror is not None:
+        return dist.all_gather_json(_resumable_with_mirror(ctx) if dist.is_main() else None)[0]
+    pick = None
+    if dist.is_main():  # one rank hashes; the others resume from what it found
+        steps = reversed(ctx.store.committed_steps())
+        pick = next((s for s in steps if _resumable(ctx, ctx.store.manifest(s)["meta"])), None)
+        if pick is not None:
+            try:
+                ctx.store.verify(pick)
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"{exc}; nothing was changed: delete {ctx.store.step_url(pick)} to resume from the step before "
+                    "it (checkpoint.mirror keeps a second copy that repairs this by itself)"
+                ) from None
+    return dist.all_gather_json(pick)[0]
+
+
+def _resumable(ctx: StageContext, meta: dict[str, Any]) -> bool:
+    """Whether a step (by its manifest meta) can resume this stage; one rule for both stores."""
+    return meta.get("identity") == ctx.identity
+
+
+def _resumable_with_mirror(ctx: StageContext) -> int | None:
+    """latest_resumable over the primary's and the mirror's steps (rank 0); the chosen step is
+    verified on the primary and restored from the mirror if needed."""
+    assert ctx.mirror is not None
+    primary = set(ctx.store.committed_steps())
+    for step in sorted(primary | set(ctx.mirror.mirrored_steps()), reverse=True):
+        store = ctx.store if step in primary else ctx.mirror.replica
+        if _resumable(ctx, store.manifest(step)["meta"]):
+            ctx.mirror.repair(step)
             return step
     return None
 
@@ -191,13 +301,24 @@ def restore_training_state(ctx: StageContext, step: int, engines: dict[str, Trai
     return ctx.store.manifest(step)["meta"]
 
 
-def finish(ctx: StageContext, step: int, metrics: dict[str, float], resumed_from: int | None) -> StageOutcome:
+def finish(
+    ctx: StageContext,
+    step: int,
+    metrics: dict[str, float],
+    resumed_from: int | None,
+    changed: tuple[str, ...] = (),
+) -> StageOutcome:
     metrics = {k: float(v) for k, v in metrics.items()}
     if not dist.is_main():  # rank 0 records the outcome; the others only report what it will say
-        return StageOutcome(ctx.stage, ctx.round_index, step, ctx.store.step_url(step), "", metrics, resumed_from)
+        url = ctx.store.step_url(step)
+        return StageOutcome(ctx.stage, ctx.round_index, step, url, "", metrics, resumed_from, changed_keys=changed)
+    fault_point(ctx.stage, "before_final", step)
     record = ctx.store.mark_final(
         step, {"identity": ctx.identity, "identity_tree": ctx.identity_tree, "metrics": metrics}
     )
+    fault_point(ctx.stage, "after_final", step)
+    if ctx.mirror is not None:
+        _settle_mirror(ctx, step)
     ctx.sink.log_text("checkpoint_uri.txt", ctx.store.step_url(step) + "\n")
     return StageOutcome(
         stage=ctx.stage,
@@ -207,7 +328,18 @@ def finish(ctx: StageContext, step: int, metrics: dict[str, float], resumed_from
         manifest_sha256=record["manifest_sha256"],
         metrics=metrics,
         resumed_from=resumed_from,
+        changed_keys=changed,
     )
+
+
+def _settle_mirror(ctx: StageContext, step: int) -> None:
+    """Stage end (rank 0): mirror final.json after its step, wait up to the mirror's finish_wait_s
+    (5 min) for it to catch up, stop its thread, then prune the primary steps it no longer needs."""
+    assert ctx.mirror is not None
+    ctx.mirror.submit_final(step)
+    ctx.mirror.close(wait_s=ctx.mirror.finish_wait_s)  # warns itself when it did not catch up
+    if ctx.mirror.saved:  # the last save's prune again: steps it held back for the mirror may go now
+        ctx.store.prune(ctx.keep_last, protect=ctx.mirror.protected())
 
 
 def set_threads(threads: int) -> None:

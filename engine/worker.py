@@ -20,14 +20,19 @@ import fsspec
 
 from rlflow.engine import dist
 from rlflow.engine.backend import Runtime, make_runtime
+from rlflow.engine.breaker import PPOGuards, StageOverrides
 from rlflow.engine.checkpoint import CheckpointStore, model_location
-from rlflow.engine.config import Config, build_config, merge_trees
+from rlflow.engine.config import Config, build_config
+from rlflow.engine.secrets import merge_trees
 from rlflow.engine.metrics import EventSink, NullSink
+from rlflow.engine.mirror import make_mirror
 from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
 from rlflow.engine.reward_model import run_reward_model_stage
 from rlflow.engine.scoring import load_function
 from rlflow.engine.sft import run_sft_stage
 from rlflow.engine.stage import StageContext, StageOutcome, set_threads
+from rlflow.engine.errors import StagePreempted
+from rlflow.engine.stage_guard import GuardLimits
 
 SECRETS_ENV = "RLFLOW_SECRETS"  # JSON tree of the config's secret values; never written to a file
 TRAINING_STAGES = ("sft", "rm", "ppo")
@@ -46,12 +51,15 @@ class StageCall:
     extra_preferences: tuple[str, ...] = ()  # rm: online-labelled pairs
     ppo_inputs: dict[str, Any] = field(default_factory=dict)  # ppo: PPOInputs fields (step URIs allowed)
     rollout_devices: str | None = None  # ppo: CUDA_VISIBLE_DEVICES of the rollout worker (placement.rollout)
+    overrides: StageOverrides = field(default_factory=StageOverrides)  # ppo: an operator's, after a breach
 
 
 def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | None = None) -> StageContext:
-    """The stage's context; `runtime` defaults to the configured backend's."""
+    """The stage's context; `runtime` defaults to the configured backend's. Every rank gets the
+    mirror (checkpoint.mirror) for resuming; only rank 0 ever starts its copying thread."""
+    store = CheckpointStore(call.store_url, config.run.storage_options)
     return StageContext(
-        store=CheckpointStore(call.store_url, config.run.storage_options),
+        store=store,
         stage=call.stage,
         round_index=call.round_index,
         seed=config.run.seed,
@@ -62,12 +70,27 @@ def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | 
         consolidate_every=config.checkpoint.consolidate_every,
         sink=sink,
         runtime=runtime or make_runtime(config.engine),
+        allow_config_change=config.resume.allow_config_change,
+        limits=GuardLimits(
+            hang_timeout_s=config.stage.policy(call.stage).hang_timeout_s,
+            preempt_grace_s=config.checkpoint.preempt_grace_s,
+            max_nonfinite_skips=config.safety.max_nonfinite_skips,
+        ),
+        mirror=make_mirror(store, config.checkpoint, config.run.name, call.round_index, call.stage),
     )
 
 
 def run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageOutcome:
     """Run a training stage; model inputs given as checkpoint step URIs are fetched to this
     machine's cache first (every node of a job resolves its own)."""
+    try:
+        return _run_stage_call(ctx, config, call)
+    finally:
+        if ctx.mirror is not None:  # a failed stage leaves no copying thread behind (Prefect processes live long)
+            ctx.mirror.close()
+
+
+def _run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageOutcome:
     so = config.run.storage_options
     if call.stage == "sft":
         return run_sft_stage(ctx, model_location(call.init_path, so), config.model, config.sft, config.data)
@@ -89,6 +112,7 @@ def run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageO
             gold,
             config.rollout,
             call.rollout_devices,
+            PPOGuards.of(config.safety, config.reward, call.overrides),
         )
     raise ValueError(f"unknown training stage {call.stage!r}; valid: {', '.join(TRAINING_STAGES)}")
 
@@ -113,7 +137,9 @@ def main(spec_url: str) -> None:
     with fsspec.open(spec_url, "r", **storage_options) as f:
         spec = json.load(f)
     config = build_config(merge_trees(spec["config"], secrets), spec_url)
-    call = StageCall(**{**spec["call"], "extra_preferences": tuple(spec["call"]["extra_preferences"])})
+    fields = spec["call"]
+    extra, overrides = tuple(fields["extra_preferences"]), StageOverrides(**fields.get("overrides") or {})
+    call = StageCall(**{**fields, "extra_preferences": extra, "overrides": overrides})
     set_threads(int(os.environ.get("OMP_NUM_THREADS") or config.run.threads))
     main_rank = int(os.environ.get("RANK", "0")) == 0  # the process group does not exist yet
     ctx = make_context(config, call, EventSink() if main_rank else NullSink())
@@ -129,4 +155,8 @@ if __name__ == "__main__":
 
     line_buffered_output()
     with record_failures():
-        main(sys.argv[1])
+        try:
+            main(sys.argv[1])
+        except StagePreempted as exc:  # a clean stop at a committed checkpoint, not a failure
+            print(f"rlflow: {exc}", file=sys.stderr, flush=True)
+            sys.exit(StagePreempted.exit_code)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlflow.engine.errors import RlflowError
+from rlflow.engine.errors import RlflowError, RunHalted, StagePreempted
 
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no internet: telemetry only logs errors
@@ -58,38 +58,92 @@ def check_backend(config: Any) -> None:
             )
 
 
-def check_inputs(config: Any) -> None:
-    """Fail fast on inputs every stage needs: model path, data files (parsed in full)."""
+def check_devices(config: Any) -> None:
+    """GPU placement, and one device per rank of this node (see placement.validate_process_count)."""
+    from rlflow.engine.placement import usable_cpu_count, validate_placement, validate_process_count, visible_gpu_count
+
+    gpus, cvd = visible_gpu_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    validate_placement(config.placement, config.rollout.mode, gpus, cvd)
+    validate_process_count(config.resources.nproc_per_node, config.placement.train, gpus, usable_cpu_count(), cvd)
+
+
+def _for_key(key: str, fn: Any, *args: Any) -> Any:
+    """fn(*args), a DataError's message led by the config key that named the file."""
+    from rlflow.engine.errors import DataError
+
+    try:
+        return fn(*args)
+    except DataError as exc:
+        raise DataError(f"{key}: {exc}") from None
+
+
+def check_prompt_lengths(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
+    """With data.prompt_overflow=drop, a prompt set left empty would fail the label or PPO stage,
+    after SFT and the reward model have trained: tokenizing the prompts now takes a second."""
+    if config.data.prompt_overflow != "drop":
+        return
+    from rlflow.engine.evaluation import encode_prompt_set
+    from rlflow.engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+    for key, records in prompt_sets.items():
+        url = getattr(config.data, key)
+        _for_key(f"data.{key}", encode_prompt_set, tokenizer, records, config.data.max_prompt_tokens, "drop", url)
+
+
+def check_reward_model_vocabulary(config: Any) -> None:
+    """rm.init given as a model: PPO feeds it the policy's token ids, so it must share the policy's
+    tokenizer. A remote committed step is not downloaded for this check."""
+    init = config.rm.init
+    if init == "sft" or "://" in init:
+        return
+    from rlflow.engine.checkpoint import model_location
+    from rlflow.engine.models import check_shared_vocabulary, resolve_model_path
+
+    path = resolve_model_path(model_location(init, {}), "rm.init")
+    check_shared_vocabulary(config.model.path, path, config.model.trust_remote_code)
+
+
+def check_run_root(config: Any) -> None:
+    """Fails now (one line, exit 2) if run.root cannot be written (a missing bucket, refused
+    credentials) or another live process holds the run; the flow takes the lock for real."""
+    from rlflow.engine.errors import ConfigError
     from rlflow.engine.run_lock import RunLock
+    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+
+    url, options = f"{config.run.root.rstrip('/')}/{config.run.name}", config.run.storage_options
+    try:
+        RunLock(url, options).acquire().release()
+    except STORAGE_ERRORS as exc:
+        reason = describe_storage_error(url, exc, options, "run.storage_options")
+        raise ConfigError(f"run.root {config.run.root!r} cannot be written: {reason}") from None
+
+
+def check_inputs(config: Any) -> None:
+    """Fail fast on inputs every stage needs: devices, model paths, data files (parsed in full),
+    and where checkpoints go."""
     from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
     from rlflow.engine.models import resolve_model_path
-    from rlflow.engine.placement import validate_placement, visible_gpu_count
     from rlflow.engine.scoring import load_function
 
-    validate_placement(
-        config.placement, config.rollout.mode, visible_gpu_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
-    )
+    check_devices(config)
     check_backend(config)
     resolve_model_path(config.model.path)
     d = config.data
-    for loader, url in (
-        (load_sft_examples, d.sft),
-        (load_sft_examples, d.sft_eval),
-        (load_preference_pairs, d.preferences),
-        (load_preference_pairs, d.preferences_eval),
-        (load_prompts, d.prompts),
-        (load_prompts, d.eval_prompts),
-    ):
-        loader(url, d.storage_options)
+    loaders = {"sft": load_sft_examples, "sft_eval": load_sft_examples}
+    loaders |= {"preferences": load_preference_pairs, "preferences_eval": load_preference_pairs}
+    loaders |= {"prompts": load_prompts, "eval_prompts": load_prompts}
+    loaded = {key: _for_key(f"data.{key}", fn, getattr(d, key), d.storage_options) for key, fn in loaders.items()}
+    check_prompt_lengths(config, {key: loaded[key] for key in ("prompts", "eval_prompts")})
+    check_reward_model_vocabulary(config)
     load_function(config.gold.fn, "gold.fn")
     load_function(config.label.labeller.fn, "label.labeller.fn")
-    # Fails now (one line, exit 2) if another live process holds the run; the flow takes the
-    # lock for real.
-    RunLock(f"{config.run.root.rstrip('/')}/{config.run.name}", config.run.storage_options).acquire().release()
+    check_run_root(config)
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from rlflow.engine.config import load_config, split_secrets
+    from rlflow.engine.config import load_config
+    from rlflow.engine.secrets import split_secrets
 
     config = load_config(args.config, args.overrides)
     if config.run.name is None:
@@ -98,10 +152,12 @@ def command_run(args: argparse.Namespace) -> int:
     public, secret = split_secrets(config.model_dump(mode="json"))
     print(f"rlflow: run '{config.run.name}' -> {config.run.root.rstrip('/')}/{config.run.name}", flush=True)
 
+    from rlflow.flows.breach import COMMAND_ENV, shown_command
     from rlflow.flows.rlhf import SECRETS_ENV, format_table, rlhf_flow
 
     hide_tracebacks_of_user_errors()
     os.environ[SECRETS_ENV] = json.dumps(secret)
+    os.environ[COMMAND_ENV] = shown_command(args.config, args.overrides)  # a breach's "continue with" command
     result = rlhf_flow(config=public, source=args.config)
     print(f"\nrun '{result['run']}' finished; final policy: {result['final_policy']}")
     print(format_table(result["rounds"]))
@@ -152,9 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except RunHalted as exc:  # a guard stopped the run at a checkpoint: the message says how to continue
+        print(f"rlflow: {' '.join(str(exc).splitlines())}", file=sys.stderr)
+        return RunHalted.exit_code
     except RlflowError as exc:
-        print(f"rlflow: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).splitlines())  # one line, even if a value quoted in it had a line break
+        print(f"rlflow: error: {message}", file=sys.stderr)
         return 2
+    except StagePreempted as exc:
+        print(f"rlflow: {exc}", file=sys.stderr)
+        return StagePreempted.exit_code
     except KeyboardInterrupt:
         print("rlflow: interrupted; run the same command again to continue from the last checkpoint", file=sys.stderr)
         return 130

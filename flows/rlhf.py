@@ -20,10 +20,12 @@ from prefect.runtime import flow_run
 from prefect.states import Crashed
 
 from rlflow.engine.run_lock import RunLock
-from rlflow.engine.config import Config, build_config, merge_trees
+from rlflow.engine.config import Config, build_config
+from rlflow.engine.secrets import merge_trees
 from rlflow.engine.data import fingerprint_file
 from rlflow.engine.models import model_fingerprint
 from rlflow.engine.stage import compute_identity
+from rlflow.flows.breach import settle_breaches
 from rlflow.tasks.stages import (
     StageResult,
     StageSpec,
@@ -31,6 +33,7 @@ from rlflow.tasks.stages import (
     label_task,
     output_exists,
     ppo_task,
+    retryable,
     rm_task,
     sft_task,
 )
@@ -82,10 +85,16 @@ class RoundPlanner:
 
 
 def run_stage(task_fn: Any, config: Config, spec: StageSpec, *args: Any) -> StageResult:
-    """Call a stage task; a cached result whose checkpoint is gone (deleted or pruned by hand)
-    is not trusted: the task runs again with the cache refreshed."""
+    """Call a stage task with its retry policy (stage.retries; each retry resumes from the last
+    checkpoint); a cached result whose checkpoint is gone (deleted or pruned by hand) is not
+    trusted: the task runs again with the cache refreshed. A breach (never cached) is returned
+    as it is: the caller settles it (flows/breach.py)."""
+    policy = config.stage.policy(spec.stage)
+    task_fn = task_fn.with_options(
+        retries=policy.retries, retry_delay_seconds=policy.retry_delay_s, retry_condition_fn=retryable
+    )
     result = task_fn(config, spec, *args)
-    if not output_exists(config, result):
+    if result.breach is None and not output_exists(config, result):
         result = task_fn.with_options(refresh_cache=True)(config, spec, *args)
     return result
 
@@ -150,6 +159,7 @@ def run_round(
         ("prompts", "eval_prompts"),
     )
     ppo = run_stage(ppo_task, c, ppo_spec, inputs, rm)
+    ppo = settle_breaches(c, ppo, lambda overrides: run_stage(ppo_task, c, ppo_spec, inputs, rm, overrides))
     eval_spec = planner.spec(
         "eval",
         r,
@@ -209,7 +219,8 @@ def mark_stale_flow_runs_crashed(run_name: str) -> list[str]:
     """Other flow runs of this run name still "Running" belong to a killed process (we hold the
     run lock, so none can be alive): mark them Crashed so the Prefect UI tells the truth."""
     current = flow_run.get_id()
-    state_filter = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    # Paused too: a run paused for an operator (flows/breach.py) whose process was killed meanwhile.
+    state_filter = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PAUSED]))
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name]), state=state_filter)
@@ -225,7 +236,7 @@ def mark_stale_flow_runs_crashed(run_name: str) -> list[str]:
 SECRETS_ENV = "RLFLOW_SECRETS"  # JSON tree of the redacted config values; never a flow parameter
 
 
-@flow(name="rlhf", flow_run_name="{config[run][name]}")
+@flow(name="rlhf", flow_run_name="{config[run][name]}", result_serializer="json")  # never pickle
 def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
     """Run (or continue) `run.name`. `config` is the config tree with secret values redacted (it
     is stored by Prefect as the flow run's parameters); the secret values come from the
@@ -237,7 +248,7 @@ def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
     with RunLock(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", cfg.run.storage_options):
         for stale in mark_stale_flow_runs_crashed(cfg.run.name):
             logger.warning(
-                "flow run %s of '%s' was left Running by a killed process: marked Crashed", stale, cfg.run.name
+                "flow run %s of '%s' was left Running or Paused by a killed process: Crashed", stale, cfg.run.name
             )
         tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)
         parent = tracker.parent_run(cfg.run.name, config)

@@ -19,10 +19,13 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from rlflow.engine.config import REDACTED, Config, split_secrets
-from rlflow.engine.launch import build_launch_command, free_port, rank_env, run_distributed
+from rlflow.engine.breaker import Breach
+from rlflow.engine.config import Config
+from rlflow.engine.secrets import REDACTED, split_secrets
+from rlflow.engine.launch import DistributedJobError, build_launch_command, free_port, rank_env, run_distributed
 from rlflow.engine.metrics import MetricsSink, replay_event
 from rlflow.engine.placement import devices_for
+from rlflow.engine.errors import StagePreempted
 from rlflow.engine.stage import StageOutcome
 from rlflow.engine.worker import SECRETS_ENV, StageCall, write_spec
 
@@ -84,10 +87,17 @@ def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, lo
                     text = text.replace(value, REDACTED)
                 logger.info("[rank %s] %s", "?" if rank is None else rank, text)
 
-        run_distributed(command, env, on_line)
+        try:
+            run_distributed(command, env, on_line)
+        except DistributedJobError as exc:
+            if exc.exit_code == StagePreempted.exit_code:  # the ranks obeyed a SIGTERM after a checkpoint
+                last = exc.tail[-1] if exc.tail else str(exc)
+                raise StagePreempted(f"round {call.round_index} {call.stage}: {last}") from None
+            raise
         with fsspec.open(outcome_path, "r", **config.run.storage_options) as f:
             outcome = json.load(f)
-    return StageOutcome(**outcome)
+    breach = Breach(**outcome["breach"]) if outcome.get("breach") else None  # a KL breach or reward failure
+    return StageOutcome(**{**outcome, "changed_keys": tuple(outcome.get("changed_keys", ())), "breach": breach})
 
 
 @contextlib.contextmanager

@@ -13,14 +13,19 @@ from typing import Any, Callable
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
+from prefect.transactions import get_transaction
 from pydantic import BaseModel, ConfigDict
 
+from rlflow.engine.breaker import Breach, StageOverrides
 from rlflow.engine.checkpoint import CheckpointStore, model_location, stage_prefix
 from rlflow.engine.config import Config
+from rlflow.engine.errors import NonFiniteUpdates, RlflowError, StagePreempted
+from rlflow.engine.launch import DistributedJobError
 from rlflow.engine.metrics import ConsoleSink, FanoutSink
 from rlflow.engine.backend import Runtime
 from rlflow.engine.placement import devices_for
 from rlflow.engine.ppo_stage import PPOInputs
+from rlflow.engine.reward_source import FALLBACK_METRIC
 from rlflow.engine.round_stages import PAIRS_FILE, EvalInputs, run_eval_stage, run_label_stage
 from rlflow.engine.rollout import SamplingParams
 from rlflow.engine.scoring import load_function
@@ -59,6 +64,7 @@ class StageResult(BaseModel):
     metrics: dict[str, float]
     mlflow_run_id: str | None = None
     resumed_from: int | None = None
+    breach: Breach | None = None  # PPO stopped for an operator: not finished (flows/breach.py handles it)
 
 
 class StageSpec(BaseModel):
@@ -71,6 +77,16 @@ class StageSpec(BaseModel):
     identity: str
     identity_tree: dict[str, Any]
     parent_run_id: str
+
+
+def retryable(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry condition: retry what a rerun can fix (a hang, a crashed or OOM-killed
+    rank, a flaky store), never an input error, a preemption (the machine is going away) or
+    non-finite updates (deterministic: they would recur)."""
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, DistributedJobError):
+        return exc.exit_code not in (2, StagePreempted.exit_code)
+    return not isinstance(exc, (RlflowError, StagePreempted, NonFiniteUpdates))
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -126,9 +142,15 @@ def _run_tracked(
             "rlflow.resumed_from": "" if outcome.resumed_from is None else str(outcome.resumed_from),
             "rlflow.backend": config.engine.backend if body is None else "torch",
             "rlflow.world_size": str(config.resources.world_size if body is None else 1),
-        },
+        }
+        # Params are immutable: a continued stage's changed keys go to a tag instead.
+        | ({"rlflow.changed_keys": ",".join(outcome.changed_keys)} if outcome.changed_keys else {})
+        | guard_tags(config, outcome),
     )
-    tracker.finish(run_id, "FINISHED")
+    # A breached stage is not finished: KILLED until the continued stage sets it RUNNING again.
+    tracker.finish(run_id, "FINISHED" if outcome.breach is None else "KILLED")
+    if outcome.breach is not None:
+        _keep_out_of_cache()
     return StageResult(
         stage=outcome.stage,
         round_index=outcome.round_index,
@@ -138,7 +160,27 @@ def _run_tracked(
         metrics=outcome.metrics,
         mlflow_run_id=run_id,
         resumed_from=outcome.resumed_from,
+        breach=outcome.breach,
     )
+
+
+def guard_tags(config: Config, outcome: StageOutcome) -> dict[str, str]:
+    """Tags for what the guards did: the last breach, and a fallback reward (it changed the objective)."""
+    tags = {}
+    if outcome.breach is not None:
+        tags["rlflow.breach"] = f"{outcome.breach.reason} at step {outcome.breach.step}"
+    if outcome.metrics.get(FALLBACK_METRIC):
+        rule = config.reward.fallback_rule
+        tags["rlflow.reward_fallback"] = rule.fn if rule is not None else "(recorded in the checkpoint)"
+    return tags
+
+
+def _keep_out_of_cache() -> None:
+    """A breach is not the stage's result: Prefect must not store it under the stage's cache key
+    (its identity), or the next call, which continues the stage, would be served the breach."""
+    transaction = get_transaction()  # the task run's own: its commit writes the cache record
+    if transaction is not None:
+        transaction.write_on_commit = False
 
 
 STAGE_TASK = dict(
@@ -186,7 +228,10 @@ def score_norm_of(rm: StageResult) -> tuple[float, float]:
 
 
 @task(name="ppo", **STAGE_TASK)
-def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
+def ppo_task(
+    config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult, overrides: StageOverrides | None = None
+) -> StageResult:
+    """`overrides`: an operator's, continuing after a breach (not in the cache key: the same stage)."""
     ppo_inputs = PPOInputs(  # checkpoint URIs: each process resolves them to local directories
         policy=inputs["policy"],
         reference=inputs["reference"],
@@ -196,9 +241,16 @@ def ppo_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageR
         critic=rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"],
     )
     load_function(config.gold.fn, "gold.fn")  # fail here, before any process starts, if it is missing
+    if config.reward.fallback_rule is not None:
+        load_function(config.reward.fallback_rule.fn, "reward.fallback_rule.fn")
     devices = devices_for(config.placement.rollout, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return _run_tracked(
-        config, spec, config.ppo.steps, ppo_inputs=dataclasses.asdict(ppo_inputs), rollout_devices=devices
+        config,
+        spec,
+        config.ppo.steps,
+        ppo_inputs=dataclasses.asdict(ppo_inputs),
+        rollout_devices=devices,
+        overrides=overrides or StageOverrides(),
     )
 
 

@@ -2,18 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from rlflow.engine.config import (
-    REDACTED,
-    Config,
-    apply_override,
-    build_config,
-    diff_keys,
-    flatten,
-    load_config,
-    merge_trees,
-    redact,
-    split_secrets,
-)
+from rlflow.engine.config import Config, apply_override, build_config, load_config
+from rlflow.engine.secrets import REDACTED, diff_keys, flatten, merge_trees, redact, split_secrets
 from rlflow.engine.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))

@@ -168,7 +168,7 @@ def test_death_inside_a_checkpoint_write_leaves_nothing_a_resume_would_read(smal
     tree = small_config_tree(small_assets, tmp_path, sft={"max_steps": 6, "eval_every": 3, "patience": 10})
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(tree))
     store_url = str(tmp_path / "sft")
-    env = dict(os.environ, RLFLOW_FAULT="sft:mid_checkpoint:4")  # dies with the weights of step 4 half written
+    env = dict(os.environ, RLFLOW_FAULT="sft:ckpt_files:4")  # dies with the weights of step 4 half written
     died = subprocess.run([sys.executable, "-c", SFT_SCRIPT, str(tmp_path / "c.yaml"), store_url], env=env)
     assert died.returncode == 137
     store = CheckpointStore(store_url)

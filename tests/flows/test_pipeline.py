@@ -2,11 +2,13 @@
 the run tree and Prefect's task runs are checked, and a SIGKILLed run continues where it stopped."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import yaml
 from mlflow.tracking import MlflowClient
@@ -74,14 +76,43 @@ def prefect_task_runs(api_url, run_name):
 def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     root = tmp_path / "runs"
     secret = "S3CR3T-VALUE-42"  # storage options are secret: never in logs, MLflow or Prefect
+    # Every kind of secret, as config values and as environment credentials: swept for at the end.
+    secrets = {
+        "storage": secret,
+        "webhook": "WEBHOOK-TOKEN-9f3a",
+        "header": "BEARER-7c1e",
+        "data": "DATA-KEY-51d0",
+        "aws": "AWS-SECRET-2b8e",
+        "mlflow": "MLFLOW-PASSWORD-e4a2",
+    }
     tree = small_config_tree(
         small_assets,
         root,
         run={"name": "e2e", "rounds": 2, "storage_options": {"auto_mkdir": True, "secret_marker": secret}},
+        stage={"rm": {"retries": 1, "retry_delay_s": 0, "hang_timeout_s": 2}},
+        alerts={
+            "webhook_url": f"http://127.0.0.1:9/hook?token={secrets['webhook']}",
+            "headers": {"Authorization": f"Bearer {secrets['header']}"},
+        },
+        data={"storage_options": {"auto_mkdir": False, "key_marker": secrets["data"]}},
     )
     config = write_config(tmp_path / "c.yaml", tree)
-    first = finish(cli(config, "run.rounds=1"))
+    # Round 0's reward model hangs once at step 3: the watchdog fails it, Prefect retries it, and
+    # the retry resumes from the step-2 checkpoint.
+    hang = dict(
+        os.environ,
+        RLFLOW_FAULT="rm:hang:3",
+        RLFLOW_FAULT_ONCE=str(tmp_path / "hung-once"),
+        AWS_SECRET_ACCESS_KEY=secrets["aws"],
+        MLFLOW_TRACKING_PASSWORD=secrets["mlflow"],
+    )
+    first = finish(cli(config, "run.rounds=1", env=hang))
     assert "[round 0 ppo] step 3/3" in first and secret not in first
+    rm_lines = "\n".join(line for line in first.splitlines() if "rm]" in line or "hang" in line or "Retry" in line)
+    assert "no step finished for 2 s" in first and "thread stacks" in first, rm_lines
+    assert "[round 0 rm] step 3 (" in first and "checkpoint/resume_s=" in first, rm_lines  # resumed at 3
+    rm_run = [t for t in prefect_task_runs(prefect_server, "e2e")[1][0] if t.name == "round-0-rm"][0]
+    assert rm_run.run_count == 2 and rm_run.state.name == "Completed"
     # Adding a round continues the run: round 0 comes from the cache, round 1 trains.
     out = finish(cli(config))
     assert "[round 0 sft] step" not in out and "[round 1 ppo] step 3/3" in out and "gold_score_before" in out
@@ -128,6 +159,7 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
 
     for run in (parents[0], *children.values()):
         assert secret not in json.dumps(run.data.params)
+    assert not any(value in first + out for value in secrets.values())
     assert secret not in (root / "mlartifacts").joinpath(*_artifact_path(parents[0], "config.yaml")).read_text()
 
     flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
@@ -158,6 +190,27 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     last = out.strip().splitlines()[-1]
     assert last.startswith("rlflow: error: stage round_0/ppo") and "ppo.clip_ratio" in last and "new run.name" in last
     assert "Traceback" not in out
+    # ... unless resume.allow_config_change: the finished outputs are kept and the change is tagged.
+    out = finish(cli(config, "ppo.clip_ratio=0.3", "resume.allow_config_change=true"))
+    assert "[round 0 ppo] step" not in out and "[round 1 ppo] step" not in out
+    _, parents, children = mlflow_runs(root)
+    assert children[("0", "ppo")].data.tags["rlflow.changed_keys"] == "ppo.clip_ratio"
+    assert parents[0].data.params["ppo.clip_ratio"] == "0.2"  # params are never rewritten
+    # No secret in any file the runs wrote: checkpoints and their metadata, mlflow.db, MLflow
+    # artifacts, Prefect's results and its database (parameters, task run logs, states).
+    prefect_home = Path(os.environ["PREFECT_HOME"])
+    leaks = {
+        f"{path}: {name}"
+        for folder in (tmp_path, prefect_home)
+        for path in folder.rglob("*")
+        if path.is_file() and path.name != "c.yaml"  # the user's own config file holds them
+        for name, value in secrets.items()
+        if value.encode() in path.read_bytes()
+    }
+    assert leaks == set()
+    assert (prefect_home / "prefect.db").stat().st_size > 0
+    results = [p for p in (prefect_home / "results").rglob("*") if p.is_file()]
+    assert results and all(isinstance(json.loads(p.read_bytes()), dict) for p in results)  # JSON, never pickle
 
 
 def _artifact_path(run, name):
@@ -173,8 +226,13 @@ def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_asse
         small_assets, root, run={"name": "kill"}, ppo={"steps": steps}, checkpoint={"every_steps": 2, "keep_last": 3}
     )
     config = write_config(tmp_path / "c.yaml", tree)
+    # Killed between stages: SFT's final.json is written, the reward model has not started.
+    between = cli(config, env=dict(os.environ, RLFLOW_FAULT="sft:after_final:40"))
+    out, _ = between.communicate(timeout=300)
+    assert between.returncode == 137, out[-3000:]
+    assert (root / "kill" / "round_0" / "sft" / "final.json").exists() and not (root / "kill" / "round_0" / "rm").exists()
     proc = cli(config)
-    wait_for(root / "kill" / "round_0" / "sft" / "step_000002" / "manifest.json", proc)  # the flow holds the lock
+    wait_for(root / "kill" / "round_0" / "rm" / "step_000002" / "manifest.json", proc)  # the flow holds the lock
     # A second process on the same run.name while the first holds the run: refused by the lock.
     second = cli(config)
     out, _ = second.communicate(timeout=120)
@@ -182,7 +240,10 @@ def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_asse
     assert "already being run by pid" in out and "Traceback" not in out, out[-2000:]
     wait_for(root / "kill" / "round_0" / "ppo" / "step_000002" / "manifest.json", proc)
     proc.send_signal(signal.SIGKILL)
-    proc.communicate()
+    killed_out, _ = proc.communicate()
+    # SFT finished before the kill between stages, though Prefect never recorded its task result:
+    # the engine's final.json is the truth, so nothing is trained again.
+    assert "[round 0 sft] step" not in killed_out and "[round 0 rm] step" in killed_out
     store = CheckpointStore(str(root / "kill" / "round_0" / "ppo"))
     resumed_from = store.latest()
     assert resumed_from is not None and resumed_from < steps and store.final() is None
@@ -199,8 +260,9 @@ def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_asse
         assert [m.step for m in client.get_metric_history(ppo.info.run_id, key)] == list(range(1, steps + 1)), key
 
     flow_runs, tasks = prefect_task_runs(prefect_server, "kill")
-    assert [fr.state.type.value for fr in flow_runs] == ["CRASHED", "COMPLETED"]  # the refused one never started
-    states = {t.name: t.state.name for t in tasks[1]}
+    # The refused one never started a flow run.
+    assert [fr.state.type.value for fr in flow_runs] == ["CRASHED", "CRASHED", "COMPLETED"]
+    states = {t.name: t.state.name for t in tasks[2]}
     assert states["round-0-sft"] == "Cached" and states["round-0-rm"] == "Cached"
     assert states["round-0-ppo"] == "Completed" and states["round-0-eval"] == "Completed"
 

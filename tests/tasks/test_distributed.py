@@ -68,7 +68,7 @@ def uninterrupted(small_assets, tmp_path_factory):
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
 def test_resume_on_a_different_world_size(small_assets, tmp_path, monkeypatch, uninterrupted, first, second):
     call, logger = sft_call(tmp_path, small_assets), logging.getLogger("test")
-    monkeypatch.setenv("RLFLOW_FAULT", "sft:after_checkpoint:4")  # rank 0 dies right after committing step 4
+    monkeypatch.setenv("RLFLOW_FAULT", "sft:ckpt_manifest:4")  # rank 0 dies right after committing step 4
     sink = RecordingSink()
     with pytest.raises(DistributedJobError, match=r"rank 0 exited with code 137 \(died without a Python exception"):
         launch_training_stage(sft_config(small_assets, tmp_path, first), call, sink, logger)
