@@ -63,9 +63,9 @@ class TrainEngine:
     def _backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _optimizer_step(self) -> float:
-        """Clip, step optimizer and schedule, zero gradients; return the pre-clip global grad norm.
-        A non-finite norm skips the step (gradients dropped, optimizer and schedule untouched)."""
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip, step optimizer and schedule, zero gradients; return (pre-clip global grad norm,
+        whether the step was applied: a non-finite norm skips it, optimizer and schedule untouched)."""
         raise NotImplementedError
 
     def _discard_gradients(self) -> None:
@@ -128,12 +128,11 @@ class TrainEngine:
         reduced = dist.all_reduce_sum(torch.tensor([loss_total] + [v for k in keys for v in stats[k]]))
         loss = float(reduced[0]) / max(total_units, 1e-12)
         if math.isfinite(loss):  # every rank sees the same reduced loss, so all take the same branch
-            grad_norm = self._optimizer_step()
+            grad_norm, applied = self._optimizer_step()
         else:
             self._discard_gradients()
-            grad_norm = float("nan")
-        out = {"loss": loss, "grad_norm": grad_norm, "units": total_units}
-        out["skipped"] = float(not (math.isfinite(loss) and math.isfinite(grad_norm)))
+            grad_norm, applied = float("nan"), False
+        out = {"loss": loss, "grad_norm": grad_norm, "units": total_units, "skipped": float(not applied)}
         out["lr"] = float(self.schedule.get_last_lr()[0])
         for j, key in enumerate(keys):
             out[key] = float(reduced[1 + 2 * j]) / max(float(reduced[2 + 2 * j]), 1e-12)
@@ -151,14 +150,15 @@ class TorchTrainEngine(TrainEngine):
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self) -> tuple[float, bool]:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        if math.isfinite(grad_norm):
+        applied = math.isfinite(grad_norm)
+        if applied:
             self.optimizer.step()
             self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm, applied
 
     def _discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

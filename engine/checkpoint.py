@@ -139,7 +139,8 @@ class StepWriter:
         self.meta.update(meta or {})
         for f in list(self._open):
             f.close()  # an unclosed handle may still hold buffered, unuploaded bytes
-        manifest = {"step": self.step, "files": dict(sorted(self._files.items())), "meta": self.meta, "created": now_iso()}
+        files = dict(sorted(self._files.items()))
+        manifest = {"step": self.step, "files": files, "meta": self.meta, "created": now_iso()}
         data = json_bytes(manifest)  # serialise first: unserialisable meta fails before writing
         self._store._put(self._store._step_path(self.step, MANIFEST), data)
         self._state = "committed"
@@ -301,6 +302,22 @@ class CheckpointStore:
                 f"{where} is corrupted: size {size} sha256 {sha[:12]}..., "
                 f"manifest says {entry['size']} {entry['sha256'][:12]}..."
             )
+
+    def check_sizes(self, step: int) -> None:
+        """A cheap check (one listing, no reads): every manifest file exists with its size; raise
+        CheckpointError naming the first that does not."""
+        root = self._step_path(step)
+        self._fs.invalidate_cache(root)
+        try:
+            listed = self._fs.find(root, detail=True)
+        except FileNotFoundError:
+            listed = {}
+        sizes = {p.rstrip("/")[len(root.rstrip("/")) + 1 :]: info.get("size") for p, info in listed.items()}
+        for name, entry in self._require_manifest(step)[1]["files"].items():
+            if sizes.get(name) != entry["size"]:
+                where = f"{self.step_url(step)}/{name}"
+                found = "missing" if name not in sizes else f"{sizes[name]} bytes, manifest says {entry['size']}"
+                raise CheckpointError(f"{where} is damaged ({found})")
 
     def verify(self, step: int) -> None:
         """Re-hash every file against the manifest; raise CheckpointError naming a bad one."""

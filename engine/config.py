@@ -206,7 +206,7 @@ class StagePolicy(Section):
 class StageConfig(Section):
     retries: int = Field(0, ge=0)
     retry_delay_s: float = Field(10.0, ge=0)
-    hang_timeout_s: float | None = Field(3600.0, gt=0)  # None: no watchdog
+    hang_timeout_s: float | None = Field(3600.0, gt=0)  # None: no watchdog (training stages: sft, rm, ppo)
     # Per-stage overrides, e.g. stage.ppo.retries=3; unset fields inherit the values above.
     sft: StagePolicy = Field(default_factory=StagePolicy)
     label: StagePolicy = Field(default_factory=StagePolicy)

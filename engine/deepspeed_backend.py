@@ -10,6 +10,7 @@ boundary, so the number of micro-batches may change from step to step (token-bud
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -71,10 +72,19 @@ class DeepSpeedTrainEngine(TrainEngine):
     def _backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self) -> tuple[float, bool]:
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        raw = self.engine.get_global_grad_norm()
+        if raw is None:  # this configuration did not compute one
+            return float("nan"), True
+        if not math.isfinite(float(raw)):
+            # DeepSpeed reports the norm only after applying the step: the weights are suspect now,
+            # so the stage stops before anything commits them.
+            raise NonFiniteUpdates(
+                f"{self.name}: non-finite gradient norm under DeepSpeed, after the optimizer applied it; the stage "
+                "stops with the last committed checkpoint intact: lower the learning rate or check the data"
+            )
+        return float(raw), True
 
     def _discard_gradients(self) -> None:
         # ZeRO has already reduced the non-finite gradients into its own partitioned buffers, and

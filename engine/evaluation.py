@@ -42,7 +42,8 @@ def encode_prompt_set(
     encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
     if not encoded.token_ids:
         raise DataError(
-            f"{source}: every prompt is longer than data.max_prompt_tokens={max_tokens} and was dropped; raise the limit or set data.prompt_overflow=truncate"
+            f"{source}: every prompt is longer than data.max_prompt_tokens={max_tokens} and was dropped; "
+            "raise the limit or set data.prompt_overflow=truncate"
         )
     kept = tuple(records[i] for i in encoded.kept_indices)
     return PromptSet(kept, tuple(tuple(t) for t in encoded.token_ids)), encoded.n_truncated, encoded.n_dropped

@@ -397,14 +397,14 @@ def _pump(
         on_line(rank, text)
 
 
-def _stop_group(proc: subprocess.Popen, reader: threading.Thread) -> None:
+def _stop_group(proc: subprocess.Popen, reader: threading.Thread, grace_s: float = KILL_GRACE_S) -> None:
     """End the launcher and everything in its process group, then reap the launcher: SIGTERM
-    first (torchrun and DeepSpeed's launcher forward it to their ranks), SIGKILL after a grace
-    period, and SIGKILL for any member left once the launcher is gone (orphaned ranks)."""
+    first (torchrun and DeepSpeed's launcher forward it to their ranks), SIGKILL after `grace_s`,
+    and SIGKILL for any member left once the launcher is gone (orphaned ranks)."""
     if not _launcher_exited(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + KILL_GRACE_S
+        deadline = time.monotonic() + grace_s
         while not _launcher_exited(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
     # The launcher is un-reaped here (or still running), so the group id cannot have been reused.
@@ -443,6 +443,7 @@ def run_distributed(
     env: dict[str, str],
     on_line: Callable[[int | None, str], None],
     timeout_s: float | None = None,
+    preempt_grace_s: float = KILL_GRACE_S,
 ) -> None:
     """Run a launcher command (see build_launch_command) in its own process session, calling
     `on_line(global_rank or None, text)` for every line of its merged stdout/stderr as it comes.
@@ -452,7 +453,8 @@ def run_distributed(
     own marker); the failing rank is then known only from failure records (see module docstring).
     Raises DistributedJobError on a non-zero exit or after `timeout_s` seconds; on any exit from
     this call - error, KeyboardInterrupt, SIGTERM (main thread), an exception from `on_line` -
-    the whole process group is killed and reaped first.
+    the whole process group is killed and reaped first. After a SIGTERM the ranks get
+    `preempt_grace_s` to checkpoint before SIGKILL (torchrun itself allows its ranks ~30 s).
     """
     log = _JobLog()
     with tempfile.TemporaryDirectory(prefix="rlflow-failures-") as failure_dir, _sigterm_unwinds():
@@ -474,7 +476,9 @@ def run_distributed(
             reader.start()
             finished = _pump(proc, lines, log, on_line, timeout_s)
         finally:
-            _stop_group(proc, reader)
+            stopping = sys.exc_info()[1]
+            preempted = isinstance(stopping, SystemExit) and stopping.code == 128 + signal.SIGTERM
+            _stop_group(proc, reader, preempt_grace_s if preempted else KILL_GRACE_S)
         if not finished:
             tail = [f"[rank {r}] {t}" for r in sorted(log.lines, key=str) for t in list(log.lines[r])[-5:]]
             message = f"distributed job timed out after {timeout_s:g} s and was killed; each rank's last lines:\n"

@@ -113,7 +113,9 @@ class CheckpointMirror:
         self._start()
 
     def protected(self) -> set[int]:
-        """Steps a prune of the primary must spare: not yet on the mirror, or protected by the stage."""
+        """Steps a prune of the primary must spare: not yet on the mirror, or protected by the stage.
+        (During a long outage the primary grows by a step per checkpoint: the newest step on two
+        stores is the promise; `checkpoint/mirror_lag_steps` shows the debt.)"""
         with self._cond:
             return self._pending | (self._keep or set())
 
@@ -316,14 +318,15 @@ class CheckpointMirror:
             )
             return []
 
-    def repair(self, step: int) -> bool:
-        """Make the primary's copy of ``step`` whole: verify every file's sha256; when the step is
-        gone or damaged, verify the mirror's copy and copy it back (manifest last).
+    def repair(self, step: int, quick: bool = False) -> bool:
+        """Make the primary's copy of ``step`` whole: verify every file's sha256 (`quick`: only that
+        each exists with its size); when the step is gone or damaged, verify the mirror's copy and
+        copy it back (manifest last).
 
         Returns True when the step was restored; raises CheckpointError naming the damaged file
         when the mirror has no good copy."""
         try:
-            self.primary.verify(step)
+            (self.primary.check_sizes if quick else self.primary.verify)(step)
             return False
         except CheckpointError as exc:
             damage = str(exc)
@@ -339,15 +342,16 @@ class CheckpointMirror:
         return True
 
     def repair_final(self) -> None:
-        """Before a stage counts as finished: verify the primary's final.json and its step, and
-        restore them from the mirror when they are missing or damaged (e.g. the stage directory
-        was deleted). Without a usable mirror copy nothing changes here."""
+        """Before a stage counts as finished: check the primary's final.json and its step (files
+        present with their sizes; resuming re-hashes them in full), and restore them from the
+        mirror when they are missing or damaged (e.g. the stage directory was deleted). Without a
+        usable mirror copy nothing changes here."""
         try:
             record = self.primary.final()
         except CheckpointError:  # final.json names a step that is gone: the mirror may have both
             record = None
-        if record is not None:
-            self.repair(record["step"])
+        if record is not None:  # every later flow run passes here: hashing a 70B step each time is too slow
+            self.repair(record["step"], quick=True)
             return
         try:
             mirrored = self.replica.final()

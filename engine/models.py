@@ -164,6 +164,7 @@ def load_policy(
         dtype=DTYPES[dtype],
         trust_remote_code=trust_remote_code,
         attn_implementation=resolve_attn_implementation(attn_implementation),
+        use_safetensors=True,  # a pickled .bin checkpoint is never loaded
     )
     return disable_dropout(model)
 
@@ -191,6 +192,7 @@ def load_scalar_model(
         dtype=DTYPES[dtype],
         trust_remote_code=trust_remote_code,
         attn_implementation=resolve_attn_implementation(attn_implementation),
+        use_safetensors=True,  # a pickled .bin checkpoint is never loaded
     )
     head = scalar_head(model)
     head_names = {name for name, p in model.named_parameters() if any(p is q for q in head.parameters())}

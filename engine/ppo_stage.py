@@ -106,80 +106,113 @@ def run_ppo_stage(
     guard = StageGuard(ctx, resume)
     models = load_ppo_models(inputs, model_cfg, cfg, gold, ctx.runtime)
     prompts, eval_prompts = load_prompt_sets(models.tokenizer, data, eval_cfg, ctx.sink)
-    controller = make_controller(cfg)
-    state: dict[str, Any] = {"best": None, "best_step": None, "stopped_by_kl": False}
+    run = PPORun(ctx, models, cfg, eval_cfg, checkpoint, eval_prompts, resume, changed)
     step, saved_guards = 0, None
     if resume is not None:
         meta = restore_training_state(ctx, resume, {"model": models.actor, "critic": models.critic})
-        controller.load_state_dict(meta["kl_controller"])
-        step, state, saved_guards = resume, meta["ppo_state"], meta.get("guards")
-    safety = PPOSafety(guards, ctx.label, saved_guards, resume, controller, models.scoring)
-    models.reward = safety.reward
-    committed = resume  # the newest step this stage holds: a pause commits its step only if needed
-
-    def evaluate():  # same prompts and seed at every evaluation, so steps compare fairly
-        seed = step_seed(ctx.seed, ctx.round_index, 7)
-        return run_evaluation(models, eval_prompts, cfg, seed, eval_cfg.batch_size, eval_cfg.num_logged_samples)
-
-    def commit(at: int, whole: bool, breach: Breach | None = None) -> str:
-        nonlocal committed
-        url = _commit(ctx, models, controller, state, safety.state_dict(breach), at, cfg.rollout_batch, whole)
-        committed = at
-        return url
-
-    def pause(at: int, breach: Breach) -> StageOutcome:
-        if committed != at:
-            commit(at, True, breach)  # whole model directories: the operator may want to look at it
-        log.warning("%s: %s", ctx.label, breach.message)
-        return paused_outcome(ctx, breach, _summary(metrics, at, state) | safety.summary(), resume, changed)
-
+        run.controller.load_state_dict(meta["kl_controller"])
+        step, run.state, saved_guards = resume, meta["ppo_state"], meta.get("guards")
+    run.safety = PPOSafety(guards, ctx.label, saved_guards, resume, run.controller, models.scoring)
+    models.reward = run.safety.reward
     if rollout.mode == "server":
         log_path = os.path.join(tempfile.gettempdir(), f"rlflow-rollout-{ctx.identity[:12]}-rank{dist.rank()}.log")
         models.rollout = RolloutService.start(
             rollout, inputs.policy, models.tokenizer, models.actor, log_path, rollout_devices
         )
     try:
-        started, metrics = time.monotonic(), {}
         with guard:
-            while step < cfg.steps and not state["stopped_by_kl"]:
+            while step < cfg.steps and not run.state["stopped_by_kl"]:
                 step += 1
                 guard.begin(step)
                 models.actor.poison_loss = models.critic.poison_loss = guard.poisoned(step)
-                args = (models, controller, cfg, prompts, ctx.seed, ctx.round_index, step, rollout.generate_batch)
-                try:
-                    metrics = ppo_step(*args)
-                except RewardSourceError as exc:  # raised before any update of this step
-                    if (breach := safety.reward_failed(exc, step, metrics)) is not None:
-                        return pause(step - 1, breach)
-                    metrics = ppo_step(*args)  # the same step again, scored by the fallback rule
-                metrics |= guard.record_update(bool(metrics.pop("skipped")), step)
-                state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
-                metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
-                breach = safety.observe(step, metrics, state["stopped_by_kl"])
-                last = step >= cfg.steps or state["stopped_by_kl"]
-                if breach is None and (step % eval_cfg.every_steps == 0 or last):
-                    eval_metrics, samples = evaluate()
-                    metrics.update(eval_metrics)
-                    _track_best(state, checkpoint.keep_best, checkpoint.keep_best_mode, metrics, step)
-                    if last:
-                        ctx.sink.log_table("eval_samples.json", samples)
-                metrics["timing_s/elapsed"] = time.monotonic() - started
-                guard.end(step)
-                if step % cfg.log_every == 0 or last or breach is not None:
-                    ctx.sink.log_metrics(metrics, step)
+                last, breach = run.step(step, prompts, rollout.generate_batch, guard)
                 if breach is not None:
-                    return pause(step, breach)
-                if guard.checkpoint_due(step, last) or state["best_step"] == step:
-                    url = commit(step, should_consolidate(ctx, step, last) or state["best_step"] == step)
-                    guard.after_checkpoint(step, url)
+                    guard.suspend()  # pausing commits a whole checkpoint
+                    return run.pause(breach.step, breach)
+                if guard.checkpoint_due(step, last) or run.state["best_step"] == step:
+                    whole = should_consolidate(ctx, step, last) or run.state["best_step"] == step
+                    guard.after_checkpoint(step, run.commit(step, whole))
     finally:
         if models.rollout is not None:
             models.rollout.close()
-    if "eval/gold_score" not in metrics:  # resumed exactly at the last step: evaluate its policy
-        eval_metrics, samples = evaluate()
-        metrics.update(eval_metrics)
+    if "eval/gold_score" not in run.metrics:  # resumed exactly at the last step: evaluate its policy
+        eval_metrics, samples = run.evaluate()
+        run.metrics.update(eval_metrics)
         ctx.sink.log_table("eval_samples.json", samples)
-    return finish(ctx, step, _summary(metrics, step, state) | safety.summary(), resume, changed)
+    return finish(ctx, step, _summary(run.metrics, step, run.state) | run.safety.summary(), resume, changed)
+
+
+class PPORun:
+    """What one PPO stage's step loop shares: models, KL controller, loop state, guards."""
+
+    def __init__(
+        self,
+        ctx: StageContext,
+        models: PPOModels,
+        cfg: PPOConfig,
+        eval_cfg: EvalConfig,
+        checkpoint: CheckpointConfig,
+        eval_prompts: PromptSet,
+        resume: int | None,
+        changed: tuple[str, ...],
+    ):
+        self.ctx, self.models, self.cfg, self.eval_cfg, self.checkpoint = ctx, models, cfg, eval_cfg, checkpoint
+        self.eval_prompts, self.resume, self.changed = eval_prompts, resume, changed
+        self.controller = make_controller(cfg)
+        self.state: dict[str, Any] = {"best": None, "best_step": None, "stopped_by_kl": False}
+        self.safety: PPOSafety | None = None  # set once the resumed state is known
+        self.committed = resume  # the newest step this stage holds: a pause commits its step only if needed
+        self.metrics: dict[str, float] = {}
+        self.started = time.monotonic()
+
+    def evaluate(self):
+        """Same prompts and seed at every evaluation, so steps compare fairly."""
+        seed = step_seed(self.ctx.seed, self.ctx.round_index, 7)
+        cfg, e = self.cfg, self.eval_cfg
+        return run_evaluation(self.models, self.eval_prompts, cfg, seed, e.batch_size, e.num_logged_samples)
+
+    def step(self, step: int, prompts: PromptSet, generate_batch: int, guard: StageGuard) -> tuple[bool, Breach | None]:
+        """One PPO step with its evaluation and logging; returns (last step?, breach or None).
+        A reward failure is raised before any update, so the step can run again on the fallback."""
+        ctx, cfg, state = self.ctx, self.cfg, self.state
+        args = (self.models, self.controller, cfg, prompts, ctx.seed, ctx.round_index, step, generate_batch)
+        try:
+            metrics = ppo_step(*args)
+        except RewardSourceError as exc:
+            if (breach := self.safety.reward_failed(exc, step, self.metrics)) is not None:
+                return False, breach
+            metrics = ppo_step(*args)  # the same step again, scored by the fallback rule
+        metrics |= guard.record_update(bool(metrics.pop("skipped")), step)
+        state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
+        metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
+        breach = self.safety.observe(step, metrics, state["stopped_by_kl"])
+        last = step >= cfg.steps or state["stopped_by_kl"]
+        if breach is None and (step % self.eval_cfg.every_steps == 0 or last):
+            eval_metrics, samples = self.evaluate()
+            metrics.update(eval_metrics)
+            _track_best(state, self.checkpoint.keep_best, self.checkpoint.keep_best_mode, metrics, step)
+            if last:
+                ctx.sink.log_table("eval_samples.json", samples)
+        metrics["timing_s/elapsed"] = time.monotonic() - self.started
+        guard.end(step)
+        if step % cfg.log_every == 0 or last or breach is not None:
+            ctx.sink.log_metrics(metrics, step)
+        self.metrics = metrics
+        return last, breach
+
+    def commit(self, at: int, whole: bool, breach: Breach | None = None) -> str:
+        guards = self.safety.state_dict(breach)
+        url = _commit(self.ctx, self.models, self.controller, self.state, guards, at, self.cfg.rollout_batch, whole)
+        self.committed = at
+        return url
+
+    def pause(self, at: int, breach: Breach) -> StageOutcome:
+        """Stop for an operator at committed step `at` (committed now, whole, if it is not yet)."""
+        if self.committed != at:
+            self.commit(at, True, breach)  # whole model directories: the operator may want to look at it
+        log.warning("%s: %s", self.ctx.label, breach.message)
+        summary = _summary(self.metrics, at, self.state) | self.safety.summary()
+        return paused_outcome(self.ctx, breach, summary, self.resume, self.changed)
 
 
 def _commit(

@@ -175,12 +175,12 @@ def run_reward_model_stage(
             metrics |= guard.record_update(bool(metrics.pop("skipped")), step)
             fault_point("rm", "update", step)
             metrics["timing_s/elapsed"] = time.monotonic() - started
-            guard.end(step)
             last = step == total_steps
             if step % cfg.log_every == 0 or last:
                 if last:
                     metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
                 ctx.sink.log_metrics(metrics, step)
+            guard.end(step)
             if guard.checkpoint_due(step, last):
                 if last:
                     reference = [

@@ -223,6 +223,8 @@ def start_stage(ctx: StageContext) -> tuple[int | None, tuple[str, ...]]:
             "resume.allow_config_change=true (the changed keys become MLflow tags) or use a new run.name"
         )
     log.warning("%s: continuing step %d under a changed configuration (changed: %s)", ctx.label, newest, changed)
+    if dist.is_main():
+        _verify(ctx, newest)
     return newest, changed
 
 
@@ -246,14 +248,19 @@ def latest_resumable(ctx: StageContext) -> int | None:
         steps = reversed(ctx.store.committed_steps())
         pick = next((s for s in steps if _resumable(ctx, ctx.store.manifest(s)["meta"])), None)
         if pick is not None:
-            try:
-                ctx.store.verify(pick)
-            except CheckpointError as exc:
-                raise CheckpointError(
-                    f"{exc}; nothing was changed: delete {ctx.store.step_url(pick)} to resume from the step before "
-                    "it (checkpoint.mirror keeps a second copy that repairs this by itself)"
-                ) from None
+            _verify(ctx, pick)
     return dist.all_gather_json(pick)[0]
+
+
+def _verify(ctx: StageContext, step: int) -> None:
+    """Re-hash a step before resuming from it (rank 0); a damaged file stops the stage untouched."""
+    try:
+        ctx.store.verify(step)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"{exc}; nothing was changed: delete {ctx.store.step_url(step)} to resume from the step before "
+            "it (checkpoint.mirror keeps a second copy that repairs this by itself)"
+        ) from None
 
 
 def _resumable(ctx: StageContext, meta: dict[str, Any]) -> bool:

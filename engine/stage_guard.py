@@ -46,10 +46,11 @@ def thread_stacks() -> str:
     return "\n".join(parts)
 
 
-def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
+def _raise_in_thread(ident: int, exc_type: type[BaseException] | None) -> None:
     """Raise `exc_type` in another thread at its next Python instruction (a C call that never
-    returns is not interrupted: the watchdog's exit covers that)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+    returns is not interrupted: the watchdog's exit covers that); None cancels a pending one."""
+    exc = ctypes.py_object(exc_type) if exc_type is not None else None
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), exc)
 
 
 class StageGuard:
@@ -66,6 +67,9 @@ class StageGuard:
         self._owner = threading.get_ident()
         self._thread: threading.Thread | None = None
         self._old_handler = None
+        self._lock = threading.Lock()  # the watchdog fires only while the guard is still open
+        self._fired = False
+        self._committing = False  # a checkpoint is being written: not a hang, however long it takes
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> StageGuard:
@@ -76,12 +80,22 @@ class StageGuard:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self._old_handler is not None:
-            signal.signal(signal.SIGTERM, self._old_handler)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with self._lock:
+            self._stop.set()
+            if self._fired and exc_type is None:  # the step ended just as the watchdog fired
+                _raise_in_thread(self._owner, None)
+        try:
+            if self._thread is not None:
+                self._thread.join()
+        finally:
+            if self._old_handler is not None:
+                signal.signal(signal.SIGTERM, self._old_handler)
+        if exc_type is None and self.preempted:  # SIGTERM after the last checkpoint: finish next time
+            raise StagePreempted(
+                f"{self.label}: stopped by SIGTERM after its last step was committed; run the same command again "
+                "to finish it"
+            )
 
     def _on_sigterm(self, signum, frame) -> None:
         if self._preempt_at is None:
@@ -132,9 +146,16 @@ class StageGuard:
             stop = bool(dist.all_reduce_max(int(stop)))
             if stop and self._preempt_at is None:
                 self._preempt_at = time.monotonic()
-        return last or step % self.every_steps == 0 or stop
+        due = last or step % self.every_steps == 0 or stop
+        self._committing = due
+        return due
+
+    def suspend(self) -> None:
+        """A checkpoint write outside the step loop's schedule (e.g. before a pause) is no hang."""
+        self._committing = True
 
     def after_checkpoint(self, step: int, url: str) -> None:
+        self._committing, self._last_beat = False, time.monotonic()
         if self.preempted:
             raise StagePreempted(
                 f"{self.label}: stopped by SIGTERM after committing step {step} ({url}); run the same command "
@@ -156,7 +177,7 @@ class StageGuard:
                     thread_stacks(),
                 )
                 os._exit(StagePreempted.exit_code)
-            if hang and now - self._last_beat > hang:
+            if hang and not self._committing and now - self._last_beat > hang:
                 self._fire_hang(hang)
                 return
 
@@ -166,8 +187,13 @@ class StageGuard:
             "the log above; a retry resumes from the last committed checkpoint"
         )
         log.error("%s: hang detected; thread stacks:\n%s", self.label, thread_stacks())
+        # The async-exception API raises a class, not an instance: a subclass carries the message.
         hung = type("StageHung", (StageHung,), {"__init__": lambda exc: StageHung.__init__(exc, message)})
-        _raise_in_thread(self._owner, hung)
+        with self._lock:
+            if self._stop.is_set():  # the guard closed meanwhile: the stage is no longer in its loop
+                return
+            self._fired = True
+            _raise_in_thread(self._owner, hung)
         if not self._stop.wait(_UNWIND_S):
             log.error("%s: the stage did not unwind in %.0f s (stuck in native code): exiting", self.label, _UNWIND_S)
             os._exit(HUNG_EXIT_CODE)

@@ -31,9 +31,11 @@ from rlflow.engine.reward_model import run_reward_model_stage
 from rlflow.engine.scoring import load_function
 from rlflow.engine.sft import run_sft_stage
 from rlflow.engine.stage import StageContext, StageOutcome, set_threads
-from rlflow.engine.errors import StagePreempted
+from rlflow.engine.errors import NonFiniteUpdates, RewardSourceError, RlflowError, StagePreempted
 from rlflow.engine.stage_guard import GuardLimits
 
+# Errors a rerun would meet again (bad input, deterministic divergence): never retried.
+NOT_RETRIED = (RlflowError, NonFiniteUpdates, RewardSourceError)
 SECRETS_ENV = "RLFLOW_SECRETS"  # JSON tree of the config's secret values; never written to a file
 TRAINING_STAGES = ("sft", "rm", "ppo")
 
@@ -83,11 +85,17 @@ def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | 
 def run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageOutcome:
     """Run a training stage; model inputs given as checkpoint step URIs are fetched to this
     machine's cache first (every node of a job resolves its own)."""
+    wait_s = 0.0  # a failed stage leaves no copying thread behind (Prefect processes live long)
     try:
-        return _run_stage_call(ctx, config, call)
+        outcome = _run_stage_call(ctx, config, call)
+        wait_s = ctx.mirror.finish_wait_s if ctx.mirror is not None else 0.0  # e.g. paused for an operator
+        return outcome
+    except StagePreempted:
+        wait_s = config.checkpoint.preempt_grace_s / 2  # the newest step is the one a lost machine needs copied
+        raise
     finally:
-        if ctx.mirror is not None:  # a failed stage leaves no copying thread behind (Prefect processes live long)
-            ctx.mirror.close()
+        if ctx.mirror is not None:
+            ctx.mirror.close(wait_s=wait_s)
 
 
 def _run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageOutcome:
@@ -160,3 +168,6 @@ if __name__ == "__main__":
         except StagePreempted as exc:  # a clean stop at a committed checkpoint, not a failure
             print(f"rlflow: {exc}", file=sys.stderr, flush=True)
             sys.exit(StagePreempted.exit_code)
+        except NOT_RETRIED as exc:  # exit 2 tells the task (and Prefect's retries) that a rerun would fail too
+            print(f"rlflow: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shlex
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any, Literal
@@ -77,7 +78,10 @@ def continue_command(config: Config, breach: Breach) -> str:
         limit, kl = breach.metrics["safety/max_kl"], breach.metrics.get("actor/kl", 0.0)
         extra["safety.max_kl"] = f"{max(2 * limit, 2 * kl if math.isfinite(kl) else 0.0):.2g}"
     kept = [o for o in call["overrides"] if o.split("=", 1)[0].strip() not in extra]
-    return "rlflow run " + shlex.join([call["config"], *kept, *(f"{k}={v}" for k, v in extra.items())])
+    secret = [o.split("=", 1)[0] for o in kept if o.endswith(f"={REDACTED}")]  # their values were never kept
+    kept = [o for o in kept if not o.endswith(f"={REDACTED}")]
+    command = "rlflow run " + shlex.join([call["config"], *kept, *(f"{k}={v}" for k, v in extra.items())])
+    return command + (f" (and your values of {', '.join(secret)} again)" if secret else "")
 
 
 def temporary_server() -> bool:
@@ -127,10 +131,10 @@ def send_alert(config: Config, result: StageResult) -> bool:
         with urllib.request.urlopen(request, timeout=alerts.timeout_s) as response:
             response.read()
     except Exception as exc:  # an alert must never stop the run
-        text = f"{type(exc).__name__}: {exc}"
-        for secret in (alerts.webhook_url, *alerts.headers.values()):
-            text = text.replace(secret, REDACTED)
-        _logger().warning("alert webhook (alerts.webhook_url) failed: %s; the run goes on", text)
+        # Only the error's type and HTTP status: messages may quote parts of the URL (a token).
+        status = f" (HTTP {exc.code})" if isinstance(exc, urllib.error.HTTPError) else ""
+        name = type(exc).__name__
+        _logger().warning("alert webhook (alerts.webhook_url) failed: %s%s; the run goes on", name, status)
         return False
     _logger().info("alert sent to alerts.webhook_url: %s at step %d", breach.reason, breach.step)
     return True

@@ -119,6 +119,31 @@ def check_run_root(config: Any) -> None:
         raise ConfigError(f"run.root {config.run.root!r} cannot be written: {reason}") from None
 
 
+def check_mirror(config: Any) -> None:
+    """checkpoint.mirror must take a write now: a mirror misconfigured from the start would look
+    like an endless outage, and the primary would keep every step for it."""
+    if not config.checkpoint.mirror:
+        return
+    import uuid
+
+    from fsspec.core import url_to_fs
+
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+
+    url, options = f"{config.checkpoint.mirror.rstrip('/')}/{config.run.name}", config.checkpoint.mirror_storage_options
+    try:
+        fs, path = url_to_fs(url, **options)
+        probe = f"{path.rstrip('/')}/.rlflow-probe-{uuid.uuid4().hex}"
+        if "file" in fs.protocol:  # a local folder is made; a missing bucket must stay an error
+            fs.makedirs(path, exist_ok=True)
+        fs.pipe_file(probe, b"probe")
+        fs.rm(probe)
+    except STORAGE_ERRORS as exc:
+        reason = describe_storage_error(url, exc, options, "checkpoint.mirror_storage_options")
+        raise ConfigError(f"checkpoint.mirror {config.checkpoint.mirror!r} cannot be written: {reason}") from None
+
+
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs every stage needs: devices, model paths, data files (parsed in full),
     and where checkpoints go."""
@@ -139,6 +164,7 @@ def check_inputs(config: Any) -> None:
     load_function(config.gold.fn, "gold.fn")
     load_function(config.label.labeller.fn, "label.labeller.fn")
     check_run_root(config)
+    check_mirror(config)
 
 
 def command_run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from prefect.states import Crashed
 
 from rlflow.engine.run_lock import RunLock
 from rlflow.engine.config import Config, build_config
-from rlflow.engine.secrets import merge_trees
+from rlflow.engine.secrets import merge_trees, redact
 from rlflow.engine.data import fingerprint_file
 from rlflow.engine.models import model_fingerprint
 from rlflow.engine.stage import compute_identity
@@ -66,10 +66,13 @@ class RoundPlanner:
     def spec(
         self, stage: str, round_index: int, sections: dict[str, Any], inputs: dict[str, str], data: tuple[str, ...]
     ) -> StageSpec:
+        items = sections.items()
         tree = {
             "stage": stage,
             "seed": self.config.run.seed,
-            "config": {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in sections.items()},
+            # Redacted: the tree is stored in every manifest, and a credential (a judge's api_key)
+            # rotating must not make a finished stage "changed".
+            "config": redact({k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in items}),
             "inputs": inputs,
             "data": {name: self.fingerprints[name] for name in data},
         }

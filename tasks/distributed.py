@@ -88,7 +88,7 @@ def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, lo
                 logger.info("[rank %s] %s", "?" if rank is None else rank, text)
 
         try:
-            run_distributed(command, env, on_line)
+            run_distributed(command, env, on_line, preempt_grace_s=config.checkpoint.preempt_grace_s)
         except DistributedJobError as exc:
             if exc.exit_code == StagePreempted.exit_code:  # the ranks obeyed a SIGTERM after a checkpoint
                 last = exc.tail[-1] if exc.tail else str(exc)

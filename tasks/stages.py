@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from rlflow.engine.breaker import Breach, StageOverrides
 from rlflow.engine.checkpoint import CheckpointStore, model_location, stage_prefix
 from rlflow.engine.config import Config
-from rlflow.engine.errors import NonFiniteUpdates, RlflowError, StagePreempted
+from rlflow.engine.errors import StagePreempted
 from rlflow.engine.launch import DistributedJobError
 from rlflow.engine.metrics import ConsoleSink, FanoutSink
 from rlflow.engine.backend import Runtime
@@ -30,7 +30,7 @@ from rlflow.engine.round_stages import PAIRS_FILE, EvalInputs, run_eval_stage, r
 from rlflow.engine.rollout import SamplingParams
 from rlflow.engine.scoring import load_function
 from rlflow.engine.stage import StageContext, StageOutcome, set_threads
-from rlflow.engine.worker import StageCall, make_context, run_stage_call
+from rlflow.engine.worker import NOT_RETRIED, StageCall, make_context, run_stage_call
 from rlflow.tasks.distributed import launch_training_stage
 from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
 
@@ -84,9 +84,9 @@ def retryable(task: Any, task_run: Any, state: Any) -> bool:
     rank, a flaky store), never an input error, a preemption (the machine is going away) or
     non-finite updates (deterministic: they would recur)."""
     exc = state.result(raise_on_failure=False)
-    if isinstance(exc, DistributedJobError):
+    if isinstance(exc, DistributedJobError):  # a rank's exit code says (engine/worker.py)
         return exc.exit_code not in (2, StagePreempted.exit_code)
-    return not isinstance(exc, (RlflowError, StagePreempted, NonFiniteUpdates))
+    return not isinstance(exc, (*NOT_RETRIED, StagePreempted))
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

@@ -309,20 +309,22 @@ def test_damaged_primary_files_are_restored_or_refused(small_assets, tmp_path, m
     good = shard.read_bytes()
     flipped = bytes([good[0] ^ 0xFF]) + good[1:]  # same size, other content
 
+    # A finished stage is checked cheaply (files present with their sizes) each time it is skipped.
     shard.write_bytes(good[: len(good) // 2])  # truncated on the primary only: restored
     assert completed_outcome(context(cfg)[0]).skipped
-    assert mirror_records(caplog, f"{SHARD} is corrupted")
+    assert mirror_records(caplog, f"{SHARD} is damaged")
     assert shard.read_bytes() == good
 
-    shard.write_bytes(flipped)  # altered on both: refused, naming the file
-    fs.pipe_file(f"{mirror.url}/step_000004/{SHARD}", flipped)
-    with pytest.raises(CheckpointError, match=f"step_000004/{SHARD} is corrupted.*mirror has no good copy"):
+    shard.write_bytes(good[:10])  # truncated on both: refused, naming the file
+    fs.pipe_file(f"{mirror.url}/step_000004/{SHARD}", good[:10])
+    with pytest.raises(CheckpointError, match=f"step_000004/{SHARD} is damaged.*mirror has no good copy"):
         completed_outcome(context(cfg)[0])
 
-    # An unfinished stage (no final.json anywhere): the resume step is checked the same way.
+    # An unfinished stage (no final.json anywhere): the resume step is re-hashed in full.
     (tmp_path / "m" / "round_0" / "sft" / "final.json").unlink()
     fs.rm(f"{mirror.url}/final.json")
     fs.pipe_file(f"{mirror.url}/step_000004/{SHARD}", good)
+    shard.write_bytes(flipped)
     assert latest_resumable(context(cfg)[0]) == 4  # altered on the primary only: restored
     assert shard.read_bytes() == good
 

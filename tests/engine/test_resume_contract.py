@@ -32,7 +32,7 @@ VOLATILE = ("timing_s/", "perf/", "checkpoint/")
 # Checkpoints every 2 steps; consolidated (whole HF model) at 4 and at the end.
 KILL_CHAINS = {
     "sft": ["update:3", "ckpt_inside:4", "before_final:6"],
-    "rm": ["ckpt_files:4"],
+    "rm": ["step:3", "ckpt_files:4"],
     "ppo": ["rollout:2", "update:3", "ckpt_manifest:4"],
 }
 

@@ -328,6 +328,13 @@ def _s3_cases(bucket: str, options: dict) -> dict[str, tuple[dict, bool, str]]:
                 " (The specified bucket does not exist); create it or fix the bucket name in the URL"
             ),
         ),
+        "checkpoint.mirror in a missing bucket": (
+            {"checkpoint": {"mirror": f"{missing}/mirror", "mirror_storage_options": options}}, False,
+            (
+                f"checkpoint.mirror '{missing}/mirror' cannot be written: bucket 'no-such-bucket-rlflow' does not"
+                " exist (The specified bucket does not exist); create it or fix the bucket name in the URL"
+            ),
+        ),
         "run.root with refused credentials": (
             {"run": {"name": "t", "root": f"{bucket}/bad-inputs-root", "storage_options": options | BAD_KEYS}}, True,
             (

@@ -105,12 +105,14 @@ def test_temporary_server_fails_with_the_exact_continue_command(tmp_path, monkey
         settle_breaches(config_with(tmp_path), kl_result(), never, never)
     message = str(raised.value)
     assert "\n" not in message and "S3CR3T" not in message
+    # A redacted credential is not part of a command that would set it to "***": it is named.
     assert message.endswith(
-        "continue with: rlflow run c.yaml ppo.steps=3 'run.storage_options.key=***' run.name=t safety.max_kl=0.84"
+        "continue with: rlflow run c.yaml ppo.steps=3 run.name=t safety.max_kl=0.84"
+        " (and your values of run.storage_options.key again)"
     )
     with pytest.raises(RunHalted) as raised:  # a reward failure: the same command, once the source works
         settle_breaches(config_with(tmp_path), kl_result(reason=BREACH_REWARD), never, never)
-    assert str(raised.value).endswith("'run.storage_options.key=***' run.name=t")
+    assert str(raised.value).endswith("ppo.steps=3 run.name=t (and your values of run.storage_options.key again)")
 
 
 def _committed_store(tmp_path, steps):

@@ -84,17 +84,21 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
         "data": "DATA-KEY-51d0",
         "aws": "AWS-SECRET-2b8e",
         "mlflow": "MLFLOW-PASSWORD-e4a2",
+        "judge": "JUDGE-KEY-83c1",
+        "mirror": "MIRROR-KEY-0d57",
     }
     tree = small_config_tree(
         small_assets,
         root,
         run={"name": "e2e", "rounds": 2, "storage_options": {"auto_mkdir": True, "secret_marker": secret}},
-        stage={"rm": {"retries": 1, "retry_delay_s": 0, "hang_timeout_s": 2}},
+        stage={"rm": {"retries": 1, "retry_delay_s": 0, "hang_timeout_s": 4}},
         alerts={
             "webhook_url": f"http://127.0.0.1:9/hook?token={secrets['webhook']}",
             "headers": {"Authorization": f"Bearer {secrets['header']}"},
         },
         data={"storage_options": {"auto_mkdir": False, "key_marker": secrets["data"]}},
+        gold={"fn": "rlflow.engine.demo_task:gold_score", "kwargs": {"api_key": secrets["judge"]}},  # a judge key
+        checkpoint={"mirror": str(tmp_path / "mirror"), "mirror_storage_options": {"key_marker": secrets["mirror"]}},
     )
     config = write_config(tmp_path / "c.yaml", tree)
     # Round 0's reward model hangs once at step 3: the watchdog fails it, Prefect retries it, and
@@ -109,7 +113,7 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
     first = finish(cli(config, "run.rounds=1", env=hang))
     assert "[round 0 ppo] step 3/3" in first and secret not in first
     rm_lines = "\n".join(line for line in first.splitlines() if "rm]" in line or "hang" in line or "Retry" in line)
-    assert "no step finished for 2 s" in first and "thread stacks" in first, rm_lines
+    assert "no step finished for 4 s" in first and "thread stacks" in first, rm_lines
     assert "[round 0 rm] step 3 (" in first and "checkpoint/resume_s=" in first, rm_lines  # resumed at 3
     rm_run = [t for t in prefect_task_runs(prefect_server, "e2e")[1][0] if t.name == "round-0-rm"][0]
     assert rm_run.run_count == 2 and rm_run.state.name == "Completed"
@@ -172,9 +176,17 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
         (f"round-0-{s}", "Cached") for s in ("sft", "rm", "ppo", "eval")
     ] + [(f"round-1-{s}", "Completed") for s in ("label", "rm", "ppo", "eval")]
 
-    # Same command again after the last stage's checkpoints were deleted by hand: every other
-    # stage comes from Prefect's cache, the deleted one is not trusted to the cache and runs again.
+    # Every stage's output has its second copy on the mirror.
+    mirror = tmp_path / "mirror" / "e2e"
+    assert {p.parent.relative_to(mirror).as_posix() for p in mirror.glob("round_*/*/final.json")} == {
+        f"round_{r}/{s}" for r, stages in ((0, ("sft", "rm", "ppo", "eval")), (1, ("label", "rm", "ppo", "eval")))
+        for s in stages
+    }
+    # Same command again after the last stage's checkpoints were deleted by hand, on both copies:
+    # every other stage comes from Prefect's cache, the deleted one is not trusted to the cache
+    # and runs again.
     shutil.rmtree(root / "e2e" / "round_1" / "eval")
+    shutil.rmtree(mirror / "round_1" / "eval")
     out = finish(cli(config))
     assert "[round 1 eval] step 1" in out and "[round 0 sft] step" not in out and "[round 1 ppo] step" not in out
     flow_runs, tasks = prefect_task_runs(prefect_server, "e2e")
