@@ -84,7 +84,13 @@ class GuardState:
     def from_json(cls, saved: dict[str, Any] | None) -> GuardState:
         saved = dict(saved or {})
         fallback = saved.pop("fallback", None)
-        return cls(**saved, fallback=FallbackState(**fallback) if fallback else None)
+        try:
+            return cls(**saved, fallback=FallbackState(**fallback) if fallback else None)
+        except TypeError as exc:  # written by another rlflow version
+            raise CheckpointError(
+                f"the checkpoint's guard state {sorted(saved)} does not match this rlflow version ({exc}); resume "
+                "it with the version that wrote it (manifest meta 'versions')"
+            ) from None
 
 
 class PPOSafety:

@@ -55,7 +55,7 @@ class StepWriter:
 
     def __enter__(self) -> StepWriter:
         # Overwriting drops the old manifest first, so old and new files are never committed mixed.
-        self._store._clear_step(self.step)
+        self._store.delete_step(self.step)
         self._state = "open"
         return self
 
@@ -210,8 +210,9 @@ class CheckpointStore:
         found = (_STEP_RE.match(e.rstrip("/").rsplit("/", 1)[-1]) for e in entries)
         return sorted({int(m.group(1)) for m in found if m})
 
-    def _clear_step(self, step: int) -> None:
-        """Delete a step, manifest first, so a half-deleted step is never seen as committed."""
+    def delete_step(self, step: int) -> None:
+        """Delete a step (pruning, a rollback, a rewrite), manifest first, so a half-deleted step
+        is never seen as committed."""
         self._rm(self._step_path(step, MANIFEST))
         self._rm(self._step_path(step), recursive=True)
 
@@ -335,7 +336,7 @@ class CheckpointStore:
         """
         retry = retry or (lambda fn: fn())
         raw, manifest = source._require_manifest(step)
-        retry(lambda: self._clear_step(step))  # never old and new files under one manifest
+        retry(lambda: self.delete_step(step))  # never old and new files under one manifest
         for name, entry in manifest["files"].items():
             retry(lambda name=name, entry=entry: self._copy_file(source, step, name, entry))
         retry(lambda: self._put(self._step_path(step, MANIFEST), raw))
@@ -390,10 +391,6 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
         return dest
 
-    def delete_step(self, step: int) -> None:
-        """Delete one step (a rollback), manifest first: never seen half-deleted as committed."""
-        self._clear_step(step)
-
     def prune(self, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Delete old steps; return the step numbers whose directories were removed.
 
@@ -409,7 +406,7 @@ class CheckpointStore:
         keep |= {final["step"]} if final else set()
         removed = [n for n in committed if n not in keep]
         for n in removed:
-            self._clear_step(n)
+            self.delete_step(n)
         debris = [n for n in self._step_dirs() if n < committed[-1] and n not in committed]
         for n in debris:
             self._rm(self._step_path(n), recursive=True)

@@ -16,7 +16,7 @@ FAULT_ENV = "RLFLOW_FAULT"
 FAULT_ONCE_ENV = "RLFLOW_FAULT_ONCE"
 KILLED_EXIT_CODE = 137  # what a shell reports for SIGKILL; the launcher blames such a rank first
 
-# event -> where it fires (the README's kill-point table is generated from the same list)
+# event -> where it fires (the README's kill-point table lists the kill events)
 EVENTS = {
     "step": "start of the step, before any work",
     "rollout": "PPO: after the first rollout chunk is sampled, before the rest",

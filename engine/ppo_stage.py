@@ -3,6 +3,7 @@ the guards (KL circuit breaker, reward-source failures: engine/breaker.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -47,6 +48,15 @@ class PPOInputs:
     reward_model: str
     score_norm: tuple[float, float]  # the reward model's (mean, std) on its reference set
     critic: str  # initial critic: the reward model or the policy (per ppo.critic_init)
+
+
+@dataclass
+class PPOLoopState:
+    """What the step loop carries across steps and resumes (JSON in the checkpoint's meta)."""
+
+    best: float | None = None  # checkpoint.keep_best's metric at its best evaluated step
+    best_step: int | None = None
+    stopped_by_kl: bool = False  # ppo.stop_kl ended the round's PPO
 
 
 def load_ppo_models(
@@ -111,7 +121,7 @@ def run_ppo_stage(
     if resume is not None:
         meta = restore_training_state(ctx, resume, {"model": models.actor, "critic": models.critic})
         run.controller.load_state_dict(meta["kl_controller"])
-        step, run.state, saved_guards = resume, meta["ppo_state"], meta.get("guards")
+        step, run.state, saved_guards = resume, PPOLoopState(**meta["ppo_state"]), meta.get("guards")
     run.safety = PPOSafety(guards, ctx.label, saved_guards, resume, run.controller, models.scoring)
     models.reward = run.safety.reward
     if rollout.mode == "server":
@@ -121,7 +131,7 @@ def run_ppo_stage(
         )
     try:
         with guard:
-            while step < cfg.steps and not run.state["stopped_by_kl"]:
+            while step < cfg.steps and not run.state.stopped_by_kl:
                 step += 1
                 guard.begin(step)
                 models.actor.poison_loss = models.critic.poison_loss = guard.poisoned(step)
@@ -129,8 +139,8 @@ def run_ppo_stage(
                 if breach is not None:
                     guard.suspend()  # pausing commits a whole checkpoint
                     return run.pause(breach.step, breach)
-                if guard.checkpoint_due(step, last) or run.state["best_step"] == step:
-                    whole = should_consolidate(ctx, step, last) or run.state["best_step"] == step
+                if guard.checkpoint_due(step, last) or run.state.best_step == step:
+                    whole = should_consolidate(ctx, step, last) or run.state.best_step == step
                     guard.after_checkpoint(step, run.commit(step, whole))
     finally:
         if models.rollout is not None:
@@ -159,7 +169,7 @@ class PPORun:
         self.ctx, self.models, self.cfg, self.eval_cfg, self.checkpoint = ctx, models, cfg, eval_cfg, checkpoint
         self.eval_prompts, self.resume, self.changed = eval_prompts, resume, changed
         self.controller = make_controller(cfg)
-        self.state: dict[str, Any] = {"best": None, "best_step": None, "stopped_by_kl": False}
+        self.state = PPOLoopState()
         self.safety: PPOSafety | None = None  # set once the resumed state is known
         self.committed = resume  # the newest step this stage holds: a pause commits its step only if needed
         self.metrics: dict[str, float] = {}
@@ -183,10 +193,10 @@ class PPORun:
                 return False, breach
             metrics = ppo_step(*args)  # the same step again, scored by the fallback rule
         metrics |= guard.record_update(bool(metrics.pop("skipped")), step)
-        state["stopped_by_kl"] = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
-        metrics["actor/stopped_by_kl"] = float(state["stopped_by_kl"])
-        breach = self.safety.observe(step, metrics, state["stopped_by_kl"])
-        last = step >= cfg.steps or state["stopped_by_kl"]
+        state.stopped_by_kl = cfg.stop_kl is not None and metrics["actor/kl"] > cfg.stop_kl
+        metrics["actor/stopped_by_kl"] = float(state.stopped_by_kl)
+        breach = self.safety.observe(step, metrics, state.stopped_by_kl)
+        last = step >= cfg.steps or state.stopped_by_kl
         if breach is None and (step % self.eval_cfg.every_steps == 0 or last):
             eval_metrics, samples = self.evaluate()
             metrics.update(eval_metrics)
@@ -219,7 +229,7 @@ def _commit(
     ctx: StageContext,
     models: PPOModels,
     controller: Any,
-    state: dict[str, Any],
+    state: PPOLoopState,
     guards: dict[str, Any],
     step: int,
     rollout_batch: int,
@@ -232,26 +242,26 @@ def _commit(
         {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
         {
             "kl_controller": controller.state_dict(),
-            "ppo_state": dict(state),
+            "ppo_state": dataclasses.asdict(state),
             "guards": guards,
             "data_position": {"prompts_seen": step * rollout_batch},
         },
         whole,
-        protect={state["best_step"]} if state["best_step"] else set(),
+        protect={state.best_step} if state.best_step else set(),
     )
 
 
-def _summary(metrics: dict[str, float], step: int, state: dict[str, Any]) -> dict[str, float]:
+def _summary(metrics: dict[str, float], step: int, state: PPOLoopState) -> dict[str, float]:
     keep = ("critic/score/mean", "actor/kl", "eval/gold_score", "eval/rm_score", "eval/kl", "response_length/mean")
     return {k: metrics[k] for k in keep if k in metrics} | {
         "ppo/steps": step,
-        "ppo/stopped_by_kl": float(state["stopped_by_kl"]),
+        "ppo/stopped_by_kl": float(state.stopped_by_kl),
     }
 
 
-def _track_best(state: dict[str, Any], metric: str | None, mode: str, metrics: dict[str, float], step: int) -> None:
+def _track_best(state: PPOLoopState, metric: str | None, mode: str, metrics: dict[str, float], step: int) -> None:
     if not metric or metric not in metrics:
         return
     sign = 1.0 if mode == "max" else -1.0
-    if state["best"] is None or sign * metrics[metric] > sign * state["best"]:
-        state["best"], state["best_step"] = metrics[metric], step
+    if state.best is None or sign * metrics[metric] > sign * state.best:
+        state.best, state.best_step = metrics[metric], step

@@ -64,7 +64,10 @@ class RewardSource:
         if self.fallback is not None:
             return torch.zeros(rows)
         scores = normalised_scores(self.reward_model, batch, self.score_norm, rows)
-        # Injected after the forward pass: every rank runs the same collectives (ZeRO-3) either way.
+        # Decided after the forward pass: every rank runs the same collectives (ZeRO-3) either way.
+        if not bool(torch.isfinite(scores).all()):  # e.g. an overflow in a low-precision reward model
+            bad = int((~torch.isfinite(scores)).sum())
+            self._failure = f"the reward model returned {bad} non-finite score(s) of {rows} at step {step}"
         if armed("ppo", "reward_error", step):
             self._failure = f"reward source error injected at step {step} (RLFLOW_FAULT)"
         return scores

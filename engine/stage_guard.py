@@ -183,7 +183,7 @@ class StageGuard:
 
     def _fire_hang(self, hang: float) -> None:
         message = (
-            f"{self.label}: no step finished for {hang:.0f} s (stage.hang_timeout_s); every thread's stack is in "
+            f"{self.label}: no step finished for {hang:g} s (stage.hang_timeout_s); every thread's stack is in "
             "the log above; a retry resumes from the last committed checkpoint"
         )
         log.error("%s: hang detected; thread stacks:\n%s", self.label, thread_stacks())

@@ -162,3 +162,29 @@ def test_a_rule_that_scores_everything_alike_keeps_a_unit_scale():
     assert source.activate_fallback() == "test_guards:constant_rule"
     scores = source.final_scores(torch.zeros(4), [PromptRecord("p", {})] * 4, ["a", "b", "c", "d"])
     assert torch.equal(scores, torch.zeros(4)) and source.fallback.std == 1.0
+
+
+def test_non_finite_reward_model_scores_are_a_reward_source_failure(trained):
+    import torch
+
+    from rlflow.engine.models import load_scalar_model, scalar_head
+    from rlflow.engine.reward_source import RewardSource
+    from rlflow.engine.rollout import RolloutBatch
+
+    _, rm_dir, score_norm = trained
+    model = load_scalar_model(rm_dir).eval()
+    batch = RolloutBatch(
+        input_ids=torch.tensor([[5, 6, 7, 8], [5, 6, 9, 10]]),
+        attention_mask=torch.ones(2, 4, dtype=torch.long),
+        response_mask=torch.ones(2, 2),
+        prompt_width=2,
+        response_texts=("a", "b"),
+    )
+    source = RewardSource(model, score_norm, None)
+    source.model_scores(batch, 2, step=3)
+    source.settle()  # finite scores: no failure
+    with torch.no_grad():
+        scalar_head(model).weight.fill_(float("nan"))  # what an overflowing reward model returns
+    source.model_scores(batch, 2, step=4)
+    with pytest.raises(RewardSourceError, match=r"2 non-finite score\(s\) of 2 at step 4"):
+        source.settle()

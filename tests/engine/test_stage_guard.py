@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -86,3 +87,28 @@ def test_too_many_non_finite_updates_in_a_row_stop_the_stage_with_the_last_check
     store = CheckpointStore(call.store_url)
     assert store.committed_steps() == [2] and store.final() is None
     store.verify(2)
+
+
+def test_the_watchdog_fires_between_steps_but_never_during_a_checkpoint_write(tmp_path):
+    from rlflow.engine.stage import StageContext
+    from rlflow.engine.stage_guard import GuardLimits, StageGuard
+
+    ctx = StageContext(
+        store=CheckpointStore(f"{tmp_path}/sft"),
+        stage="sft",
+        round_index=0,
+        seed=0,
+        identity="x",
+        identity_tree={},
+        limits=GuardLimits(hang_timeout_s=0.2),
+    )
+    with StageGuard(ctx, None) as guard:
+        guard.begin(1)
+        guard.end(1)
+        assert guard.checkpoint_due(2, last=True)
+        time.sleep(0.8)  # a slow checkpoint write: four times the limit
+        guard.after_checkpoint(2, "url")
+    with pytest.raises(StageHung, match="no step finished for 0.2 s"), StageGuard(ctx, None) as guard:
+        guard.begin(1)
+        time.sleep(0.8)  # a step that never ends
+        pytest.fail("the watchdog did not fire")

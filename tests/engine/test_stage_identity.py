@@ -41,7 +41,7 @@ def test_a_changed_identity_is_refused_unless_allowed_then_continues_and_reports
     assert meta["identity_tree"] == call.identity_tree and meta["versions"]["torch"] == torch.__version__
     # As if killed after committing step 4.
     os.remove(tmp_path / "sft" / "final.json")
-    store._clear_step(6)
+    store.delete_step(6)
 
     changed_config, changed_call = setup(small_assets, tmp_path, lr=1e-3)
     refused = r"interrupted at step 4 under a different configuration .*changed: sft.lr"
