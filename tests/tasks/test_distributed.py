@@ -154,3 +154,24 @@ def test_multi_node_jobs_exchange_spec_and_outcome_under_run_root(small_assets, 
         write_spec(f"{base}/spec.json", {}, sft_call(tmp_path, small_assets), f"{base}/outcome.json")
         assert Path(base, "spec.json").is_file()
     assert not Path(base).exists()
+
+
+def test_a_non_finite_loss_under_deepspeed_stops_the_stage_before_a_commit_and_is_not_retried(
+    small_assets, tmp_path, monkeypatch
+):
+    from rlflow.tasks.stages import retryable
+
+    call, sink = sft_call(tmp_path, small_assets), RecordingSink()
+    monkeypatch.setenv("RLFLOW_FAULT", "sft:nonfinite:3")
+    with pytest.raises(DistributedJobError, match="non-finite loss under DeepSpeed") as raised:
+        launch_training_stage(sft_config(small_assets, tmp_path, 1), call, sink, logging.getLogger("test"))
+    assert raised.value.exit_code == 2  # the worker's code for "a rerun would fail the same way"
+
+    class State:  # what Prefect hands its retry condition
+        def result(self, raise_on_failure):
+            return raised.value
+
+    assert retryable(None, None, State()) is False
+    store = CheckpointStore(f"{tmp_path}/sft")
+    assert store.committed_steps() == [2] and store.final() is None  # nothing after the NaN was committed
+    store.verify(2)
