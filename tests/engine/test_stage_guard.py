@@ -112,3 +112,19 @@ def test_the_watchdog_fires_between_steps_but_never_during_a_checkpoint_write(tm
         guard.begin(1)
         time.sleep(0.8)  # a step that never ends
         pytest.fail("the watchdog did not fire")
+
+
+def test_a_sigterm_after_the_last_checkpoint_stops_the_stage_before_it_is_marked_finished(tmp_path):
+    import signal
+
+    from rlflow.engine.stage import StageContext
+    from rlflow.engine.stage_guard import StageGuard
+
+    ctx = StageContext(CheckpointStore(f"{tmp_path}/sft"), "sft", 0, 0, "x", {})
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StagePreempted, match="after its last step was committed"), StageGuard(ctx, None) as guard:
+        guard.begin(1)
+        assert guard.checkpoint_due(1, last=True)
+        guard.after_checkpoint(1, "url")
+        os.kill(os.getpid(), signal.SIGTERM)  # between the loop's end and final.json
+    assert signal.getsignal(signal.SIGTERM) is before  # the guard's handler is gone again
