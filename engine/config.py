@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rlflow.engine.config_yaml import locator, parse_yaml, read_text
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.secrets import REDACTED, SECRET_KEY_PATTERN, redacted_dict
+from rlflow.engine.secrets import REDACTED, is_secret_path, redact_override, redacted_dict
 
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -375,10 +375,6 @@ def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _is_secret(path: tuple[Any, ...] | list[Any]) -> bool:
-    return any(SECRET_KEY_PATTERN.match(str(part)) for part in path)
-
-
 def _show_value(value: Any) -> str:
     """repr of a bad value, cut short: a pasted 10 000-item list must not flood the one line."""
     text = repr(value)
@@ -403,14 +399,12 @@ def _format_error(error: dict[str, Any], source: str) -> str:
     if error["type"] == "value_error" and isinstance(error.get("input"), dict):
         return f"{source}: {message}"  # a check across keys of a section: its message names them
     # A mistyped credential is still a credential: the message names the key, not the value.
-    shown = REDACTED if _is_secret(loc) else _show_value(error.get("input"))
+    shown = REDACTED if is_secret_path(loc) else _show_value(error.get("input"))
     return f"{source}: invalid value for '{key}': {shown} ({message})"
 
 
 def _shown_override(text: str) -> str:
-    """An override as it may appear in a message: the value hidden when the key is secret."""
-    key = text.split("=", 1)[0]
-    return repr(f"{key}={REDACTED}" if "=" in text and _is_secret(key.strip().split(".")) else text)
+    return repr(redact_override(text))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

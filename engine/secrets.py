@@ -75,3 +75,12 @@ def diff_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def is_secret_path(path: tuple[Any, ...] | list[Any]) -> bool:
+    """Whether a config key path (e.g. ["run", "storage_options", "key"]) leads through a secret."""
+    return any(SECRET_KEY_PATTERN.match(str(part)) for part in path)
+
+
+def redact_override(text: str) -> str:
+    """An `a.b=c` override as it may be shown or stored: the value hidden when its key is secret."""
+    key = text.split("=", 1)[0]
+    return f"{key}={REDACTED}" if "=" in text and is_secret_path(key.strip().split(".")) else text

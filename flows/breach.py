@@ -32,7 +32,7 @@ from rlflow.engine.breaker import BREACH_KL, Breach, StageOverrides, roll_back
 from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.config import Config
 from rlflow.engine.errors import CheckpointError, RunHalted
-from rlflow.engine.secrets import REDACTED, SECRET_KEY_PATTERN
+from rlflow.engine.secrets import REDACTED, redact_override
 from rlflow.tasks.stages import StageResult
 
 COMMAND_ENV = "RLFLOW_COMMAND"  # JSON {"config": path, "overrides": [...]} of the CLI call, secrets redacted
@@ -60,13 +60,7 @@ class BreachDecision(RunInput):
 
 def shown_command(config_path: str, overrides: list[str] | tuple[str, ...]) -> str:
     """The CLI call as $RLFLOW_COMMAND holds it: secret override values (credentials) redacted."""
-    shown = [
-        f"{text.split('=', 1)[0]}={REDACTED}"
-        if "=" in text and any(SECRET_KEY_PATTERN.match(p) for p in text.split("=", 1)[0].strip().split("."))
-        else text
-        for text in overrides
-    ]
-    return json.dumps({"config": config_path, "overrides": shown})
+    return json.dumps({"config": config_path, "overrides": [redact_override(text) for text in overrides]})
 
 
 def continue_command(config: Config, breach: Breach) -> str:

@@ -108,7 +108,8 @@ def _exchange(config: Config, call: StageCall, local_dir: str) -> Iterator[str]:
     if config.resources.nnodes == 1:
         yield local_dir
         return
-    base = f"{config.run.root.rstrip('/')}/{config.run.name}/.launch/round_{call.round_index}-{call.stage}-{uuid.uuid4().hex[:8]}"
+    job = f"round_{call.round_index}-{call.stage}-{uuid.uuid4().hex[:8]}"
+    base = f"{config.run.root.rstrip('/')}/{config.run.name}/.launch/{job}"
     fs, path = url_to_fs(base, **config.run.storage_options)
     try:
         yield base

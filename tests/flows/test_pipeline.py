@@ -242,7 +242,8 @@ def test_sigkill_after_a_ppo_checkpoint_then_continue(prefect_server, small_asse
     between = cli(config, env=dict(os.environ, RLFLOW_FAULT="sft:after_final:40"))
     out, _ = between.communicate(timeout=300)
     assert between.returncode == 137, out[-3000:]
-    assert (root / "kill" / "round_0" / "sft" / "final.json").exists() and not (root / "kill" / "round_0" / "rm").exists()
+    round_0 = root / "kill" / "round_0"
+    assert (round_0 / "sft" / "final.json").exists() and not (round_0 / "rm").exists()
     proc = cli(config)
     wait_for(root / "kill" / "round_0" / "rm" / "step_000002" / "manifest.json", proc)  # the flow holds the lock
     # A second process on the same run.name while the first holds the run: refused by the lock.
