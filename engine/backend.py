@@ -23,7 +23,7 @@ import torch
 from rlflow.engine import dist
 from rlflow.engine.batching import micro_batch_groups
 from rlflow.engine.config import EngineConfig
-from rlflow.engine.optim_state import ParamState
+from rlflow.engine.optim_state import ParamState, ShardReader
 from rlflow.engine.train_state import make_optimizer, make_schedule
 from torch import nn
 
@@ -79,7 +79,9 @@ class TrainEngine:
         """Full fp32 state of one parameter; a collective under ZeRO-3 (all ranks, same order)."""
         raise NotImplementedError
 
-    def load_param_state(self, name: str, state: ParamState) -> None:
+    def restore_param(self, name: str, reader: ShardReader) -> None:
+        """Load one parameter's weight and Adam state from a checkpoint's shards (any world size
+        wrote them); backends that partition the state read only their own part."""
         raise NotImplementedError
 
     def adam_step(self) -> int:
@@ -170,8 +172,8 @@ class TorchTrainEngine(TrainEngine):
         return ParamState(param.detach().float(), state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros))
 
     @torch.no_grad()
-    def load_param_state(self, name: str, state: ParamState) -> None:
-        param = self._params[name]
+    def restore_param(self, name: str, reader: ShardReader) -> None:
+        param, state = self._params[name], reader.get(name)
         param.copy_(state.master.to(param.dtype))
         self.optimizer.state[param] = {
             "step": torch.tensor(float(self._pending_step)),

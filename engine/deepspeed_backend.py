@@ -20,7 +20,7 @@ from rlflow.engine import dist
 from rlflow.engine.errors import NonFiniteUpdates
 from rlflow.engine.backend import OptimSpec, Runtime, TrainEngine
 from rlflow.engine.config import EngineConfig
-from rlflow.engine.optim_state import MOMENTS, ParamState
+from rlflow.engine.optim_state import MOMENTS, ParamState, ShardReader
 from rlflow.engine.train_state import make_optimizer, make_schedule
 from torch import nn
 
@@ -116,35 +116,55 @@ class DeepSpeedTrainEngine(TrainEngine):
     def set_adam_step(self, step: int) -> None:
         """Create Adam's state (zero moments at `step`) so the full-state setters have somewhere to write."""
         state = self._inner_state()
-        for group in self.engine.optimizer.optimizer.param_groups:
-            for flat in group["params"]:
-                state[flat] = {
-                    "step": torch.tensor(float(step)),
-                    "exp_avg": torch.zeros_like(flat),
-                    "exp_avg_sq": torch.zeros_like(flat),
-                }
+        if self.zero_stage == 3:  # its param groups hold a flat only while that sub-group steps
+            flats = list(self.engine.optimizer.fp32_partitioned_groups_flat)
+        else:
+            flats = [flat for group in self.engine.optimizer.optimizer.param_groups for flat in group["params"]]
+        for flat in flats:
+            state[flat] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": torch.zeros_like(flat),
+                "exp_avg_sq": torch.zeros_like(flat),
+            }
         if self.zero_stage in (1, 2):  # ZeRO-1/2 map per-parameter views onto the flat state lazily
             self.engine.optimizer._hp_optimizer_states_linked = False
             self.engine.optimizer._lazy_init_hp_params_optimizer_state()
 
     @torch.no_grad()
-    def load_param_state(self, name: str, state: ParamState) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
+    def restore_param(self, name: str, reader: ShardReader) -> None:
+        """Load what this rank keeps of one parameter, reading only that much where ZeRO
+        partitions it: ZeRO-3 its slice of weight and state; ZeRO-1/2 the whole weight (every
+        rank holds the module's) and its fragment of the master and Adam state."""
         param = self._params[name]
-        safe_set_full_fp32_param(param, state.master)
-        for key, value in zip(MOMENTS, (state.exp_avg, state.exp_avg_sq)):
-            safe_set_full_optimizer_state(param, value, key)
-        # The module's own (possibly bf16, possibly partitioned) copy must match the master now,
-        # not only after the next step.
         if self.zero_stage == 3:
-            import deepspeed
+            self._restore_partition(name, param, reader)
+            return
+        master = reader.get_range(name, "master", 0, param.numel()).view(param.shape)
+        param.copy_(master.to(param.dtype))
+        mapping = param._hp_mapping  # None: this rank holds no fragment of it
+        if mapping is not None:
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            mapping.get_hp_fragment().data.copy_(master.flatten()[start : start + numel])
+            for key in MOMENTS:
+                mapping.get_hp_fragment(key).data.copy_(reader.get_range(name, key, start, start + numel))
 
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if dist.is_main():
-                    param.copy_(state.master.to(param.dtype))
-        else:
-            param.copy_(state.master.to(param.dtype))
+    def _restore_partition(self, name: str, param: torch.nn.Parameter, reader: ShardReader) -> None:
+        """ZeRO-3: the partition is a contiguous slice of the flattened parameter (the last one
+        zero-padded), at the position DeepSpeed's own full setter uses."""
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        size = param.ds_tensor.numel()
+        start = size * param._z3_optimizer._get_param_partition_rank(param)
+
+        def local(part: str) -> torch.Tensor:
+            values = reader.get_range(name, part, min(start, param.ds_numel), min(start + size, param.ds_numel))
+            return torch.cat([values, values.new_zeros(size - values.numel())])
+
+        master = local("master")
+        safe_set_local_fp32_param(param, master)
+        for key in MOMENTS:
+            safe_set_local_optimizer_state(param, local(key), key)
+        param.ds_tensor.data.copy_(master.to(param.ds_tensor.dtype))  # the module's own partition
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.zero_stage == 3:

@@ -10,6 +10,7 @@ other's shards: a rank looks up every parameter by name and keeps its own partit
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -68,6 +69,19 @@ class ShardReader:
     def get(self, name: str) -> ParamState:
         with safe_open(self._where[name], framework="pt") as f:
             return ParamState(*(f.get_tensor(f"{name}::{part}") for part in ("master", *MOMENTS)))
+
+    def get_range(self, name: str, part: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of one state tensor ("master", "exp_avg", "exp_avg_sq") in
+        flattened order, as a 1-D fp32 tensor. Only the rows holding them are read, so a ZeRO rank
+        restoring its partition reads about 1/world_size of the bytes."""
+        with safe_open(self._where[name], framework="pt") as f:
+            view = f.get_slice(f"{name}::{part}")
+            shape = view.get_shape()
+            if len(shape) < 2:
+                return f.get_tensor(f"{name}::{part}").flatten()[start:end] if not shape else view[start:end]
+            row = math.prod(shape[1:])
+            first, last = start // row, -(-end // row)
+            return view[first:last].flatten()[start - first * row : end - first * row]
 
 
 def capture_rng() -> dict[str, Any]:

@@ -300,7 +300,7 @@ def restore_training_state(ctx: StageContext, step: int, engines: dict[str, Trai
             )
         engine.set_adam_step(saved["adam_step"])
         for name in engine.param_names():
-            engine.load_param_state(name, reader.get(name))
+            engine.restore_param(name, reader)
         engine.schedule.load_state_dict(saved["schedule"])
         for group, lr in zip(engine.schedule.optimizer.param_groups, engine.schedule.get_last_lr()):
             group["lr"] = lr  # a scheduler's load_state_dict does not touch the optimizer

@@ -33,7 +33,7 @@ def _extensions(monkeypatch):
     )
 
 
-def sft_config(assets, root, nproc: int, backend: str = "deepspeed"):
+def sft_config(assets, root, nproc: int, backend: str = "deepspeed", zero_stage: int = 2):
     tree = small_config_tree(
         assets,
         root,
@@ -41,7 +41,7 @@ def sft_config(assets, root, nproc: int, backend: str = "deepspeed"):
         # Only the last checkpoint holds a whole model: resuming from step 2 or 4 must rebuild
         # the weights from the optimizer shards' fp32 masters.
         checkpoint={"every_steps": 2, "keep_last": 3, "consolidate_every": 100},
-        engine={"backend": backend, "zero_stage": 2, "max_tokens_per_microbatch": 200},
+        engine={"backend": backend, "zero_stage": zero_stage, "max_tokens_per_microbatch": 200},
         resources={"nproc_per_node": nproc},
         rollout={"generate_batch": 8},  # every rank needs rollout and evaluation chunks of its own
         eval={"batch_size": 16},
@@ -65,13 +65,15 @@ def uninterrupted(small_assets, tmp_path_factory):
     return final_weights(run_stage_call(make_context(config, call, RecordingSink()), config, call))
 
 
-@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
-def test_resume_on_a_different_world_size(small_assets, tmp_path, monkeypatch, uninterrupted, first, second):
+# Each rank restores only what it keeps: ZeRO-2 its fragment of the state, ZeRO-3 its slice of
+# weight and state (1 -> 2: rank 1 reads the second half of every flattened tensor).
+@pytest.mark.parametrize("first,second,zero", [(2, 1, 2), (1, 2, 2), (1, 2, 3)])
+def test_resume_on_a_different_world_size(small_assets, tmp_path, monkeypatch, uninterrupted, first, second, zero):
     call, logger = sft_call(tmp_path, small_assets), logging.getLogger("test")
     monkeypatch.setenv("RLFLOW_FAULT", "sft:ckpt_manifest:4")  # rank 0 dies right after committing step 4
     sink = RecordingSink()
     with pytest.raises(DistributedJobError, match=r"rank 0 exited with code 137 \(died without a Python exception"):
-        launch_training_stage(sft_config(small_assets, tmp_path, first), call, sink, logger)
+        launch_training_stage(sft_config(small_assets, tmp_path, first, zero_stage=zero), call, sink, logger)
     assert [s for s, _ in sink.series("sft/loss")] == [1, 2, 3, 4]  # rank 0's events, replayed before it died
     store = CheckpointStore(f"{tmp_path}/sft")
     assert store.committed_steps()[-1] == 4 and store.final() is None
@@ -80,7 +82,7 @@ def test_resume_on_a_different_world_size(small_assets, tmp_path, monkeypatch, u
 
     monkeypatch.delenv("RLFLOW_FAULT")
     sink = RecordingSink()
-    outcome = launch_training_stage(sft_config(small_assets, tmp_path, second), call, sink, logger)
+    outcome = launch_training_stage(sft_config(small_assets, tmp_path, second, zero_stage=zero), call, sink, logger)
     assert outcome.resumed_from == 4 and outcome.step == STEPS
     assert [s for s, _ in sink.series("sft/loss")] == [5, 6]  # replayed from rank 0's event lines
     weights = final_weights(outcome)
