@@ -84,3 +84,22 @@ def redact_override(text: str) -> str:
     """An `a.b=c` override as it may be shown or stored: the value hidden when its key is secret."""
     key = text.split("=", 1)[0]
     return f"{key}={REDACTED}" if "=" in text and is_secret_path(key.strip().split(".")) else text
+
+
+def secret_strings(tree: Any) -> list[str]:
+    """Every leaf of a tree of secret values, as text, longest first (so no mask leaves part of a
+    longer one); leaves under 4 characters are skipped: masking them would garble ordinary words."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for child in node.values():
+                walk(child)
+        elif isinstance(node, (list, tuple)):
+            for child in node:
+                walk(child)
+        elif node is not None and len(str(node)) >= 4:
+            found.add(str(node))
+
+    walk(tree)
+    return sorted(found, key=len, reverse=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlflow.engine.secrets import secret_strings
+
 # Exceptions opening or reading a URL can raise that mean "this URL or its options are wrong",
 # not a bug: OSError (missing, forbidden, network), ValueError (unknown scheme, bad URL),
 # ImportError (backend package not installed), TypeError (an option the backend does not take).
@@ -22,20 +24,6 @@ def bucket_of(url: str) -> str | None:
     if "://" not in url or url.startswith("file://"):
         return None
     return url.split("://", 1)[1].split("/", 1)[0] or None
-
-
-def _secret_strings(options: Any) -> list[str]:
-    """Every string value of the storage options long enough to be a credential, longest first."""
-    found: list[str] = []
-    if isinstance(options, dict):
-        for value in options.values():
-            found += _secret_strings(value)
-    elif isinstance(options, (list, tuple)):
-        for value in options:
-            found += _secret_strings(value)
-    elif isinstance(options, str) and len(options) >= 4:
-        found.append(options)
-    return sorted(set(found), key=len, reverse=True)
 
 
 def _one_line(text: object) -> str:
@@ -70,6 +58,6 @@ def describe_storage_error(
     """One line saying why `url` failed, with any storage-option value (a credential) masked;
     `options_key` is the config key the user fixes options and credentials under."""
     text = _reason(url, exc, options_key)
-    for secret in _secret_strings(storage_options):
+    for secret in secret_strings(storage_options):
         text = text.replace(secret, MASK)
     return text

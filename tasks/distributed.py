@@ -21,7 +21,7 @@ from fsspec.core import url_to_fs
 
 from rlflow.engine.breaker import Breach
 from rlflow.engine.config import Config
-from rlflow.engine.secrets import REDACTED, split_secrets
+from rlflow.engine.secrets import REDACTED, secret_strings, split_secrets
 from rlflow.engine.launch import DistributedJobError, build_launch_command, free_port, rank_env, run_distributed
 from rlflow.engine.metrics import MetricsSink, replay_event
 from rlflow.engine.placement import devices_for
@@ -34,19 +34,7 @@ WORKER_MODULE = "rlflow.engine.worker"
 
 def secret_values(secret_tree: Any) -> list[str]:
     """Every secret string in the tree, and the JSON the ranks receive: masked in their log lines."""
-    values: list[str] = [json.dumps(secret_tree)] if secret_tree else []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for child in node.values():
-                walk(child)
-        elif isinstance(node, (list, tuple)):
-            for child in node:
-                walk(child)
-        elif node is not None and len(str(node)) >= 4:  # shorter ones would mask ordinary words
-            values.append(str(node))
-
-    walk(secret_tree)
+    values = secret_strings(secret_tree) + ([json.dumps(secret_tree)] if secret_tree else [])
     return sorted(set(values), key=len, reverse=True)  # longest first: no partial masks
 
 

@@ -32,7 +32,7 @@ VOLATILE = ("timing_s/", "perf/", "checkpoint/")
 # Checkpoints every 2 steps; consolidated (whole HF model) at 4 and at the end.
 KILL_CHAINS = {
     "sft": ["update:3", "ckpt_inside:4", "before_final:6"],
-    "rm": ["step:3", "ckpt_files:4"],
+    "rm": ["ckpt_files:4"],
     "ppo": ["rollout:2", "update:3", "ckpt_manifest:4"],
 }
 
@@ -116,8 +116,12 @@ def test_killed_anywhere_and_continued_ends_exactly_like_an_uninterrupted_run(
         rc, metrics, err = finish_worker(start_worker(root, tree, call, fault))
         assert rc == (KILLED_EXIT_CODE if fault else 0), f"{fault}: exit {rc}\n{err}"
         logged += metrics
-        if fault:
+        if fault:  # what a death leaves: every committed step whole, a torn one not committed
             assert store.final() is None, f"{fault}: the stage must not be marked finished"
+            for step in store.committed_steps():
+                store.verify(step)
+            event, at = fault.split(":")
+            assert event not in ("ckpt_inside", "ckpt_files") or int(at) not in store.committed_steps()
     assert any(r is not None for r in resumes[1:]), "no run resumed from a checkpoint"
 
     rc, reference, err = finish_worker(ref_proc)
