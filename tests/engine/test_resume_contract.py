@@ -33,7 +33,7 @@ VOLATILE = ("timing_s/", "perf/", "checkpoint/")
 KILL_CHAINS = {
     "sft": ["update:3", "ckpt_inside:4", "before_final:6"],
     "rm": ["ckpt_files:4"],
-    "ppo": ["rollout:2", "update:3", "ckpt_manifest:4"],
+    "ppo": ["rollout:2", "ckpt_manifest:4"],
 }
 
 

@@ -24,3 +24,4 @@ def test_model_location_passes_plain_paths_through():
     assert model_location("Qwen/Qwen2-0.5B-Instruct", {}) == "Qwen/Qwen2-0.5B-Instruct"
     assert STEP_URI.match("runs/x/round_0/sft/step_000012")["step"] == "000012"
     assert STEP_URI.match("runs/x/round_0/sft") is None
+

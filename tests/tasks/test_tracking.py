@@ -161,3 +161,18 @@ def test_set_tags_and_mark_crashed_children(tracker):
     # The resumed stage re-attaches to its child, which runs again.
     assert tracker.child_run(parent, 0, "rm") == crashed
     assert tracker.client.get_run(crashed).info.status == "RUNNING"
+
+
+def test_a_stage_continued_under_a_changed_config_tags_the_changed_keys(tracker, store, tmp_path):
+    from rlflow.engine.config import build_config
+    from rlflow.engine.stage import StageOutcome
+    from rlflow.tasks.stages import StageSpec, _run_tracked
+
+    tracking = {"uri": store[1], "experiment": tracker.experiment_name}
+    tree = {"run": {"name": "t", "root": str(tmp_path)}, "tracking": tracking}
+    config = build_config(tree, "test")
+    parent = tracker.parent_run("t", config.model_dump(mode="json"))
+    spec = StageSpec(stage="eval", round_index=0, identity="x", identity_tree={}, parent_run_id=parent)
+    kept = StageOutcome("eval", 0, 0, f"{tmp_path}/step_000000", "ab" * 32, {}, skipped=True, changed_keys=("eval.x",))
+    result = _run_tracked(config, spec, None, lambda ctx: kept)
+    assert tracker.client.get_run(result.mlflow_run_id).data.tags["rlflow.changed_keys"] == "eval.x"
