@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow clean
+.PHONY: install demo test test-slow clean up down status
 
 install: $(STAMP)
 
@@ -32,6 +32,17 @@ test: install
 # Soak runs (minutes; not CI): 300 PPO steps with a checkpoint every step and the mirror on.
 test-slow: install
 	$(PY) -m pytest -s -m slow tests/slow $(PYTEST_ARGS)
+
+# A Prefect server (UI on :4200) and an MLflow server (UI on :5000) in the background, state in
+# .rlflow/; `rlflow run` reports to them while they are up. RLFLOW_PREFECT_PORT / RLFLOW_MLFLOW_PORT move them.
+up: install
+	$(PY) -m rlflow.flows.servers up
+
+down:
+	$(PY) -m rlflow.flows.servers down
+
+status:
+	$(PY) -m rlflow.flows.servers status
 
 clean:
 	rm -rf runs .rlflow demo_assets

@@ -159,9 +159,13 @@ class FunctionRef(Section):
     @field_validator("fn")
     @classmethod
     def _module_function(cls, value: str) -> str:
-        if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
-            raise ValueError(f"{value!r} must look like 'package.module:function'")
-        return value
+        return function_ref(value)
+
+
+def function_ref(value: str) -> str:
+    if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
+        raise ValueError(f"{value!r} must look like 'package.module:function'")
+    return value
 
 
 class LabelConfig(Section):
@@ -170,6 +174,10 @@ class LabelConfig(Section):
     )
     online_from_round: int | None = Field(1, ge=1)  # None: offline preferences only
     prompts_per_round: int = Field(512, ge=1)
+    # Human labels (fsspec prefix): `rlflow label import` writes <inbox>/<run>/round_<n>.jsonl
+    # there; round r's reward model also trains on those of rounds < r. Watched by the
+    # label-inbox deployment, whose event starts the next round (prefect.yaml).
+    human_inbox: str | None = None
 
 
 class CheckpointConfig(Section):
@@ -336,6 +344,14 @@ class Config(Section):
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    # "package.module:function"s called with every logged step (engine/progress.py StepEvent);
+    # a returned {name: number} is logged as extra metrics of that step.
+    callbacks: list[str] = Field(default_factory=list)
+
+    @field_validator("callbacks")
+    @classmethod
+    def _function_refs(cls, refs: list[str]) -> list[str]:
+        return [function_ref(ref) for ref in refs]
 
     @model_validator(mode="after")
     def _one_process_unless_deepspeed(self) -> Config:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from rlflow.engine.batching import batch_indices
 from rlflow.engine.config import DataConfig, EvalConfig, ModelConfig
-from rlflow.engine.data import load_prompts
+from rlflow.engine.data import PromptRecord, load_prompts
 from rlflow.engine.evaluation import ScoringModels, encode_prompt_set, evaluate_policy
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer
 from rlflow.engine.rollout import SamplingParams, generate_rollouts
@@ -19,6 +19,41 @@ from rlflow.engine.train_state import step_seed
 
 PAIRS_FILE = "pairs.jsonl"
 RESULTS_FILE = "results.json"
+
+
+def sample_answer_pairs(
+    policy_path: str,
+    model_cfg: ModelConfig,
+    data: DataConfig,
+    sampling: SamplingParams,
+    n_prompts: int,
+    seed: int,
+    round_index: int,
+) -> list[tuple[PromptRecord, str, str]]:
+    """(prompt record, answer A, answer B) for `n_prompts` of data.prompts, each answered twice
+    by the policy: what a labeller (a function, or raters after `rlflow label export`) compares.
+    The prompts and draws are a function of (seed, round)."""
+    tokenizer = load_tokenizer(policy_path, model_cfg.trust_remote_code)
+    policy = load_policy(policy_path, model_cfg.dtype, model_cfg.trust_remote_code).eval()
+    records = load_prompts(data.prompts, data.storage_options)
+    chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, seed, round_index, 6)
+    prompts, _, _ = encode_prompt_set(
+        tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow, data.prompts
+    )
+    answers = []
+    for draw in (0, 1):
+        texts: list[str] = []
+        for start in range(0, len(prompts.token_ids), 128):
+            batch = generate_rollouts(
+                policy,
+                tokenizer,
+                prompts.token_ids[start : start + 128],
+                sampling,
+                step_seed(seed, round_index, draw, start, 8),
+            )
+            texts.extend(batch.response_texts)
+        answers.append(texts)
+    return list(zip(prompts.records, *answers))
 
 
 def run_label_stage(
@@ -37,29 +72,10 @@ def run_label_stage(
     """
     if (done := completed_outcome(ctx)) is not None:
         return done
-    tokenizer = load_tokenizer(policy_path, model_cfg.trust_remote_code)
-    policy = load_policy(policy_path, model_cfg.dtype, model_cfg.trust_remote_code).eval()
-    records = load_prompts(data.prompts, data.storage_options)
-    chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, ctx.seed, ctx.round_index, 6)
-    prompts, _, _ = encode_prompt_set(
-        tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow, data.prompts
-    )
-    answers = []
-    for draw in (0, 1):
-        texts: list[str] = []
-        for start in range(0, len(prompts.token_ids), 128):
-            batch = generate_rollouts(
-                policy,
-                tokenizer,
-                prompts.token_ids[start : start + 128],
-                sampling,
-                step_seed(ctx.seed, ctx.round_index, draw, start, 8),
-            )
-            texts.extend(batch.response_texts)
-        answers.append(texts)
+    triples = sample_answer_pairs(policy_path, model_cfg, data, sampling, n_prompts, ctx.seed, ctx.round_index)
     rng = random.Random(step_seed(ctx.seed, ctx.round_index, 9))
     rows, ties, empty = [], 0, 0
-    for record, a, b in zip(prompts.records, *answers):
+    for record, a, b in triples:
         if not a.strip() or not b.strip():  # preference data holds non-empty answers only
             empty += 1
             continue

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Any
 
 import fsspec
+from fsspec.core import url_to_fs
+import yaml
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterState, FlowRunFilterStateType
@@ -24,8 +27,10 @@ from rlflow.engine.config import Config, build_config
 from rlflow.engine.secrets import merge_trees, redact
 from rlflow.engine.data import fingerprint_file
 from rlflow.engine.models import model_fingerprint
+from rlflow.engine.round_stages import PAIRS_FILE
 from rlflow.engine.stage import compute_identity
 from rlflow.flows.breach import settle_breaches
+from rlflow.flows.report import build_report
 from rlflow.tasks.stages import (
     StageResult,
     StageSpec,
@@ -37,7 +42,7 @@ from rlflow.tasks.stages import (
     rm_task,
     sft_task,
 )
-from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
+from rlflow.tasks.tracking import RunTracker, register_policy, registered_model_name, resolve_tracking_uri
 
 SUMMARY_KEYS = (
     "rm_accuracy",
@@ -117,8 +122,9 @@ def run_round(
     policy: str | StageResult,
     sft: str | StageResult,
     labels: list[StageResult],
-) -> tuple[StageResult, StageResult | str, dict[str, Any]]:
-    """One round; returns (final policy, SFT policy, summary row). `labels` grows by this round's."""
+) -> tuple[StageResult, StageResult | str, StageResult, dict[str, Any]]:
+    """One round; returns (final policy, SFT policy, reward model, summary row). `labels` grows
+    by this round's."""
     c = config
     model_section = c.model.model_dump(exclude={"path"})
     if r in c.sft.rounds:
@@ -132,20 +138,23 @@ def run_round(
         sft = policy = run_stage(sft_task, c, spec, _uri(policy))
     if c.label.online_from_round is not None and r >= c.label.online_from_round:
         spec = planner.spec(
-            "label", r, {"label": c.label, "ppo_sampling": _sampling(c)}, {"policy": _input_id(policy)}, ("prompts",)
+            "label", r, {"label": c.label.model_dump(exclude={"human_inbox"}), "ppo_sampling": _sampling(c)}, {"policy": _input_id(policy)}, ("prompts",)
         )
         labels.append(run_stage(label_task, c, spec, _uri(policy)))  # the reward model trains on the union
     rm_init = sft if c.rm.init == "sft" else c.rm.init
+    human = human_label_files(c, r)
+    rm_inputs = {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)}
+    if human:  # only then: runs without human labels keep their identities
+        rm_inputs["human"] = ",".join(f"{url}@{fp}" for url, fp in human.items())
     rm_spec = planner.spec(
         "rm",
         r,
         {"rm": c.rm.model_dump(exclude={"log_every"}), "model": model_section},
-        {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)},
+        rm_inputs,
         ("preferences", "preferences_eval", "sft"),
     )
-    rm = run_stage(
-        rm_task, c, rm_spec, _uri(rm_init), [l.checkpoint_uri for l in labels if l.metrics.get("label/pairs", 0) > 0]
-    )
+    online = [f"{l.checkpoint_uri}/{PAIRS_FILE}" for l in labels if l.metrics.get("label/pairs", 0) > 0]
+    rm = run_stage(rm_task, c, rm_spec, _uri(rm_init), online + list(human))
     reference = sft if c.ppo.reference == "sft" else policy
     inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft)}
     ppo_spec = planner.spec(
@@ -174,7 +183,22 @@ def run_round(
         ("eval_prompts",),
     )
     evaluation = run_stage(eval_task, c, eval_spec, inputs | {"final": ppo.checkpoint_uri}, rm)
-    return ppo, sft, _summary_row(r, rm, evaluation)
+    return ppo, sft, rm, _summary_row(r, rm, evaluation)
+
+
+def human_label_files(config: Config, round_index: int) -> dict[str, str]:
+    """{url: sha256} of the human label files (`rlflow label import`) of rounds before this one."""
+    inbox = config.label.human_inbox
+    if inbox is None:
+        return {}
+    fs, base = url_to_fs(f"{inbox.rstrip('/')}/{config.run.name}", **config.data.storage_options)
+    found = {}
+    for path in sorted(fs.glob(f"{base}/round_*.jsonl")):
+        match = re.fullmatch(r"round_(\d+)\.jsonl", path.rsplit("/", 1)[-1])
+        if match and int(match[1]) < round_index:
+            url = fs.unstrip_protocol(path) if "://" in inbox else path
+            found[url] = fingerprint_file(url, config.data.storage_options)
+    return found
 
 
 def _sampling(c: Config) -> dict[str, Any]:
@@ -199,11 +223,30 @@ def _summary_row(r: int, rm: StageResult, evaluation: StageResult) -> dict[str, 
     }
 
 
-def write_summary(config: Config, rows: list[dict[str, Any]]) -> str:
-    url = f"{config.run.root.rstrip('/')}/{config.run.name}/summary.json"
+def lineage_tags(planner: RoundPlanner, policy: StageResult, rm: StageResult) -> dict[str, str]:
+    """What a registered policy came from: its checkpoint, runs, reward model and data."""
+    tags = {
+        "rlflow.checkpoint_uri": policy.checkpoint_uri,
+        "rlflow.manifest_sha256": policy.manifest_sha256,
+        "rlflow.parent_run_id": planner.parent_run_id,
+        "rlflow.ppo_run_id": policy.mlflow_run_id or "",
+        "rlflow.reward_model_run_id": rm.mlflow_run_id or "",
+        "rlflow.reward_model_uri": rm.checkpoint_uri,
+        "rlflow.run_name": planner.config.run.name,
+    }
+    return tags | {f"rlflow.data.{name}": fp for name, fp in planner.fingerprints.items()}
+
+
+def write_run_file(config: Config, name: str, text: str) -> str:
+    """A small file at the top of the run (summary.json, config.yaml); returns its URL."""
+    url = f"{config.run.root.rstrip('/')}/{config.run.name}/{name}"
     with fsspec.open(url, "w", **config.run.storage_options) as f:
-        json.dump({"run": config.run.name, "rounds": rows}, f, indent=2)
+        f.write(text)
     return url
+
+
+def write_summary(config: Config, rows: list[dict[str, Any]]) -> str:
+    return write_run_file(config, "summary.json", json.dumps({"run": config.run.name, "rounds": rows}, indent=2))
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -244,7 +287,11 @@ def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
     """Run (or continue) `run.name`. `config` is the config tree with secret values redacted (it
     is stored by Prefect as the flow run's parameters); the secret values come from the
     environment variable RLFLOW_SECRETS, so no secret is ever stored in Prefect."""
-    secret_tree = json.loads(os.environ.get(SECRETS_ENV) or "{}")
+    return run_pipeline(config, json.loads(os.environ.get(SECRETS_ENV) or "{}"), source)
+
+
+def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """The body of every flow that runs rounds: `config` redacted, `secret_tree` its secret values."""
     cfg = build_config(merge_trees(config, secret_tree), source)
     logger = get_run_logger()
     # The lock comes first: a second process on this run must not touch its MLflow runs.
@@ -253,21 +300,40 @@ def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
             logger.warning(
                 "flow run %s of '%s' was left Running or Paused by a killed process: Crashed", stale, cfg.run.name
             )
+        write_run_file(cfg, "config.yaml", yaml.safe_dump(config, sort_keys=False))  # redacted: for `rlflow status`
         tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)
         parent = tracker.parent_run(cfg.run.name, config)
         tracker.mark_crashed_children(parent)
         try:
-            rows, policy = run_rounds(cfg, parent, logger)
+            rows, policy = run_rounds(cfg, parent, logger, tracker)
         except BaseException as exc:
             tracker.finish(parent, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
             raise
         tracker.sink(parent).log_text("summary.json", json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2))
+        publish_report(cfg, tracker, parent, logger)
         tracker.finish(parent, "FINISHED")
     return {"run": cfg.run.name, "rounds": rows, "final_policy": policy.checkpoint_uri}
 
 
-def run_rounds(cfg: Config, parent_run_id: str, logger: Any) -> tuple[list[dict[str, Any]], StageResult]:
-    """All rounds in order, each starting from the last one's policy; summary.json after each."""
+def publish_report(cfg: Config, tracker: RunTracker, parent: str, logger: Any) -> None:
+    """report.html (and the figure) next to the checkpoints and in the parent MLflow run. The
+    rounds are done and committed by now: a report that fails is a warning, not a failed run."""
+    try:
+        report, png = build_report(tracker.client, cfg)
+        url = write_run_file(cfg, "report.html", report)
+        tracker.log_bytes(parent, "report.html", report.encode())
+        tracker.log_bytes(parent, "curves.png", png)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        logger.warning("the run's HTML report could not be written: %s: %s", exc.__class__.__name__, exc)
+        return
+    logger.info("report: %s (and report.html in the run's MLflow artifacts)", url)
+
+
+def run_rounds(
+    cfg: Config, parent_run_id: str, logger: Any, tracker: RunTracker
+) -> tuple[list[dict[str, Any]], StageResult]:
+    """All rounds in order, each starting from the last one's policy; summary.json after each,
+    and the round's policy registered in the MLflow model registry."""
     planner = RoundPlanner(cfg, parent_run_id)
     policy: str | StageResult = cfg.model.path
     sft: str | StageResult = cfg.model.path
@@ -275,8 +341,10 @@ def run_rounds(cfg: Config, parent_run_id: str, logger: Any) -> tuple[list[dict[
     rows: list[dict[str, Any]] = []
     for r in range(cfg.run.rounds):
         started = time.monotonic()
-        policy, sft, row = run_round(cfg, planner, r, policy, sft, labels)
+        policy, sft, rm, row = run_round(cfg, planner, r, policy, sft, labels)
         rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
+        version = register_policy(tracker.client, cfg.run.name, r, policy.mlflow_run_id, lineage_tags(planner, policy, rm))
+        logger.info("round %d policy: version %s of MLflow model '%s'", r, version, registered_model_name(cfg.run.name))
         url = write_summary(cfg, rows)
         logger.info(
             "round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url

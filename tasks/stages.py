@@ -21,12 +21,13 @@ from rlflow.engine.checkpoint import CheckpointStore, model_location, stage_pref
 from rlflow.engine.config import Config
 from rlflow.engine.errors import StagePreempted
 from rlflow.engine.launch import DistributedJobError
-from rlflow.engine.metrics import ConsoleSink, FanoutSink
+from rlflow.engine.metrics import FanoutSink, MetricsSink
+from rlflow.engine.progress import CallbackSink, EventLogSink, console_sink, events_path
 from rlflow.engine.backend import Runtime
 from rlflow.engine.placement import devices_for
 from rlflow.engine.ppo_stage import PPOInputs
 from rlflow.engine.reward_source import FALLBACK_METRIC
-from rlflow.engine.round_stages import PAIRS_FILE, EvalInputs, run_eval_stage, run_label_stage
+from rlflow.engine.round_stages import EvalInputs, run_eval_stage, run_label_stage
 from rlflow.engine.rollout import SamplingParams
 from rlflow.engine.scoring import load_function
 from rlflow.engine.stage import StageContext, StageOutcome, set_threads
@@ -122,8 +123,7 @@ def _run_tracked(
     set_threads(config.run.threads)
     tracker = RunTracker(resolve_tracking_uri(config.tracking.uri, config.run.root), config.tracking.experiment)
     run_id = tracker.child_run(spec.parent_run_id, spec.round_index, spec.stage)
-    console = ConsoleSink(f"round {spec.round_index} {spec.stage}", total_steps, PROGRESS_KEYS[spec.stage])
-    sink, call = FanoutSink(console, tracker.sink(run_id)), _call(config, spec, **inputs)
+    sink, call = stage_sinks(config, spec, total_steps, tracker.sink(run_id)), _call(config, spec, **inputs)
     try:
         if body is not None:
             outcome = body(make_context(config, call, sink, Runtime(config.engine)))
@@ -162,6 +162,19 @@ def _run_tracked(
         resumed_from=outcome.resumed_from,
         breach=outcome.breach,
     )
+
+
+def stage_sinks(config: Config, spec: StageSpec, total_steps: int | None, mlflow_sink: MetricsSink) -> MetricsSink:
+    """Where a stage's numbers go: the console (a bar or lines), MLflow, events.jsonl, then the
+    user's callbacks, whose returned metrics go to the first three."""
+    head = {"run": config.run.name, "round": spec.round_index, "stage": spec.stage}
+    console = console_sink(f"round {spec.round_index} {spec.stage}", total_steps, PROGRESS_KEYS[spec.stage])
+    events = EventLogSink(events_path(config.run.root, config.run.name), config.run.name, spec.round_index, spec.stage)
+    recorded = FanoutSink(console, mlflow_sink, events)
+    if not config.callbacks:
+        return recorded
+    callbacks = [(ref, load_function(ref, "callbacks")) for ref in config.callbacks]
+    return FanoutSink(recorded, CallbackSink(callbacks, recorded, head))
 
 
 def guard_tags(config: Config, outcome: StageOutcome) -> dict[str, str]:
@@ -217,9 +230,9 @@ def label_task(config: Config, spec: StageSpec, policy_uri: str) -> StageResult:
 
 
 @task(name="rm", **STAGE_TASK)
-def rm_task(config: Config, spec: StageSpec, init_uri: str, label_uris: list[str]) -> StageResult:
-    extra = tuple(f"{uri}/{PAIRS_FILE}" for uri in label_uris)
-    return _run_tracked(config, spec, None, init_path=init_uri, extra_preferences=extra)
+def rm_task(config: Config, spec: StageSpec, init_uri: str, preference_files: list[str]) -> StageResult:
+    """`preference_files`: JSONL of pairs besides data.preferences (online labels, human labels)."""
+    return _run_tracked(config, spec, None, init_path=init_uri, extra_preferences=tuple(preference_files))
 
 
 def score_norm_of(rm: StageResult) -> tuple[float, float]:

@@ -21,7 +21,7 @@ import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.utils.validation import (
     MAX_ENTITY_KEY_LENGTH,
     MAX_METRICS_PER_BATCH,
@@ -295,6 +295,16 @@ class RunTracker(_ClientHolder):
             raise ValueError(f"tracking: status {status!r} must be one of {', '.join(TERMINAL_STATUSES)}")
         self.client.set_terminated(run_id, status=status)
 
+    def log_bytes(self, run_id: str, name: str, data: bytes) -> None:
+        """Write `data` to artifact `name` (e.g. "compare/curves.png"), replacing a previous version."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / Path(name).name
+            path.write_bytes(data)
+            parent = str(Path(name).parent)
+            self.client.log_artifact(run_id, str(path), None if parent == "." else parent)
+
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         batch = [RunTag(k, _clip(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         for chunk in _chunks(batch, MAX_PARAMS_TAGS_PER_BATCH):
@@ -323,3 +333,41 @@ class RunTracker(_ClientHolder):
             page_token = page.token
             if not page_token:
                 return
+
+
+def tracking_client(configured: str | None, root: str) -> MlflowClient:
+    """A client of the store a run with tracking.uri=`configured` and run.root=`root` used."""
+    return MlflowClient(tracking_uri=resolve_tracking_uri(configured, root))
+
+
+def registered_model_name(run_name: str) -> str:
+    return f"{run_name}-policy"
+
+
+def register_policy(client: MlflowClient, run_name: str, round_index: int, source_run_id: str, tags: dict[str, str]) -> str:
+    """Register round `round_index`'s final policy as a version of `<run>-policy`, pointing at
+    its checkpoint (tags["rlflow.checkpoint_uri"]; no copy of the weights). Returns the version.
+
+    A continued run registers each round once: an existing version of the round is returned.
+    An MLflow server refuses a local path as a source (only its own artifact paths may be
+    local), so for a local checkpoint under a server the source is the PPO run (`runs:/...`)
+    and the checkpoint URI is in the tags either way.
+    """
+    name = registered_model_name(run_name)
+    try:
+        client.create_registered_model(name, tags={TAG_RUN_NAME: run_name})
+    except MlflowException as exc:
+        if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+    for version in client.search_model_versions(f"name = {_quoted(name)}"):
+        if version.tags.get(TAG_ROUND) == str(round_index):
+            return version.version
+    tags = {k: _clip(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags | {TAG_ROUND: str(round_index)}).items()}
+    uri = tags["rlflow.checkpoint_uri"]
+    try:
+        version = client.create_model_version(name, source=uri, run_id=source_run_id, tags=tags)
+    except MlflowException as exc:
+        if exc.error_code != ErrorCode.Name(INVALID_PARAMETER_VALUE) or "://" in uri:
+            raise
+        version = client.create_model_version(name, source=f"runs:/{source_run_id}", run_id=source_run_id, tags=tags)
+    return version.version

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+# `make up` servers a developer has running must not receive the tests' runs (flows/servers.py
+# reads this when first imported).
+os.environ["RLFLOW_STATE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"rlflow-test-state-{os.getpid()}")
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -101,6 +105,20 @@ def prefect_server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` (sqlite backend, proxied artifacts, one worker) on a free port,
+    started and stopped by flows/servers.py as `make up` / `make down` do."""
+    from rlflow.flows.servers import Server, start, stop
+
+    server = Server("mlflow", _free_port(), tmp_path_factory.mktemp("mlflow-server"))
+    start(server, timeout_s=120)
+    try:
+        yield server.url
+    finally:
+        stop(server)
 
 
 SMALL_SIZES = {"sft": 600, "sft_eval": 64, "prefs": 400, "prefs_eval": 128, "prompts": 128, "eval_prompts": 64}

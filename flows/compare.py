@@ -1,0 +1,165 @@
+"""`rlflow compare RUN [RUN ...]`: rounds side by side, read back from MLflow.
+
+A table of per-round numbers (gold and reward-model score, KL, reward-model accuracy, PPO
+tokens/s, seconds) and a figure of reward, KL and response length per PPO step, one line per
+(run, round), saved as a PNG and logged to each run's parent MLflow run under compare/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlflow.engine.errors import ConfigError
+
+# (column, stage, metric): the eval child logs "before" at step 0 and "after" at step 1.
+TABLE_COLUMNS = (
+    ("gold_before", "eval", "eval/gold_score@0"),
+    ("gold_after", "eval", "eval/gold_score"),
+    ("rm_score", "eval", "eval/rm_score"),
+    ("kl", "eval", "eval/kl"),
+    ("rm_acc", "rm", "rm/accuracy"),
+    ("ppo_tok_s", "ppo", "perf/throughput@mean"),
+)
+CURVES = (("reward", "critic/score/mean"), ("KL", "actor/kl"), ("response length", "response_length/mean"))
+
+
+@dataclass
+class RoundRecord:
+    run: str
+    round_index: int
+    values: dict[str, float] = field(default_factory=dict)  # TABLE_COLUMNS + seconds
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> (step, value)
+    children: dict[str, str] = field(default_factory=dict)  # stage -> MLflow run id
+
+
+def collect(client: Any, experiment: str, run_names: list[str]) -> tuple[dict[str, str], list[RoundRecord]]:
+    """({run name: parent run id}, a RoundRecord per round of each run, in order)."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ConfigError(f"MLflow experiment {experiment!r} not found at {client.tracking_uri}")
+    parents, records = {}, []
+    for name in run_names:
+        if "'" in name:
+            raise ConfigError(f"run name {name!r} cannot contain a quote")
+        found = client.search_runs(
+            [exp.experiment_id], f"tags.`rlflow.run_name` = '{name}' and tags.`rlflow.kind` = 'parent'", max_results=1
+        )
+        if not found:
+            raise ConfigError(
+                f"no run named {name!r} in MLflow experiment {experiment!r} at {client.tracking_uri};"
+                " is MLFLOW_TRACKING_URI (or --tracking-uri) the store the run used?"
+            )
+        parents[name] = parent_id = found[0].info.run_id
+        children = client.search_runs(
+            [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'", max_results=1000
+        )
+        by_round: dict[int, RoundRecord] = {}
+        for child in children:
+            r = int(child.data.tags["rlflow.round"])
+            rec = by_round.setdefault(r, RoundRecord(name, r))
+            stage = child.data.tags["rlflow.stage"]
+            rec.children[stage] = child.info.run_id
+            if child.info.end_time and child.info.start_time:
+                rec.values["seconds"] = rec.values.get("seconds", 0.0) + (child.info.end_time - child.info.start_time) / 1e3
+        for rec in sorted(by_round.values(), key=lambda x: x.round_index):
+            _fill(client, rec)
+            records.append(rec)
+    return parents, records
+
+
+def _fill(client: Any, rec: RoundRecord) -> None:
+    for column, stage, metric in TABLE_COLUMNS:
+        run_id = rec.children.get(stage)
+        if run_id is None:
+            continue
+        key, _, how = metric.partition("@")
+        history = client.get_metric_history(run_id, key)
+        if not history:
+            continue
+        if how == "mean":
+            rec.values[column] = sum(m.value for m in history) / len(history)
+        elif how:
+            at = [m.value for m in history if m.step == int(how)]
+            if at:
+                rec.values[column] = at[0]
+        else:
+            rec.values[column] = max(history, key=lambda m: (m.step, m.timestamp)).value
+    if "ppo" in rec.children:
+        for _, key in CURVES:
+            history = client.get_metric_history(rec.children["ppo"], key)
+            rec.curves[key] = sorted({m.step: m.value for m in history}.items())
+
+
+def format_compare_table(records: list[RoundRecord]) -> str:
+    columns = [c for c, _, _ in TABLE_COLUMNS] + ["seconds"]
+    header = f"{'run':<24} {'round':>5} " + " ".join(f"{c:>11}" for c in columns)
+    lines = [header]
+    for rec in records:
+        cells = " ".join(f"{_cell(rec.values.get(c), c):>11}" for c in columns)
+        lines.append(f"{rec.run[:24]:<24} {rec.round_index:>5} {cells}")
+    return "\n".join(lines)
+
+
+def _cell(value: float | None, column: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.1f}" if column in ("seconds", "ppo_tok_s") else f"{value:.4f}"
+
+
+def plot_curves(records: list[RoundRecord]) -> bytes:
+    """A PNG: one panel per CURVES metric, one line per (run, round), x = PPO step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6), dpi=90)
+    for ax, (title, key) in zip(axes, CURVES):
+        for rec in records:
+            points = rec.curves.get(key) or []
+            if points:
+                ax.plot([s for s, _ in points], [v for _, v in points], label=f"{rec.run} r{rec.round_index}")
+        ax.set_title(f"{title} ({key})", fontsize=10)
+        ax.set_xlabel("PPO step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def command_compare(args: argparse.Namespace) -> int:
+    from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
+
+    tracker = RunTracker(resolve_tracking_uri(args.tracking_uri, args.root), args.experiment)
+    client = tracker.client
+    parents, records = collect(client, args.experiment, args.runs)
+    print(format_compare_table(records))
+    png = plot_curves(records)
+    out = Path(args.out or f"{args.root}/compare-{'-vs-'.join(args.runs)}.png")
+    if "://" in str(out):
+        raise ConfigError(f"--out {out}: a local file path is expected")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(png)
+    artifact = f"compare/{out.name}"
+    for parent_id in parents.values():
+        tracker.log_bytes(parent_id, artifact, png)
+    print(f"figure: {out} (also the MLflow artifact {artifact} of each run's parent run)")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("compare", help="per-round table and reward/KL/length figure of runs, from MLflow")
+    p.add_argument("runs", nargs="+", metavar="RUN_NAME")
+    p.add_argument("--out", help="PNG path (default: <root>/compare-<runs>.png)")
+    p.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else <root>/mlflow.db)")
+    p.add_argument("--experiment", default="rlflow")
+    p.add_argument("--root", default="runs", help="run.root of the runs (default: runs)")
+    p.set_defaults(handler=command_compare)

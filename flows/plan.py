@@ -1,0 +1,92 @@
+"""The plan of a run (rounds x stages, where each writes, how far each got) without loading a
+model: `rlflow run --dry-run` and `rlflow status` print it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.config import Config
+from rlflow.engine.progress import events_path
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    round_index: int
+    stage: str  # "sft" | "label" | "rm" | "ppo" | "eval"
+    steps: str  # what bounds the stage: "600 steps (max)", "2 epochs", "512 prompts"
+    prefix: str  # where its checkpoints go
+    state: str = ""  # "done at step 30", "at step 20", "not started" (filled by `with_progress`)
+
+
+def plan_stages(config: Config) -> list[PlannedStage]:
+    """Every stage the flow will run, in order (the flow's own rules: SFT only in sft.rounds,
+    online labels from label.online_from_round)."""
+    c, planned = config, []
+    online = c.label.online_from_round
+    for r in range(c.run.rounds):
+        stages = []
+        if r in c.sft.rounds:
+            stages.append(("sft", f"{c.sft.max_steps} steps (max; early stop after {c.sft.patience} flat evals)"))
+        if online is not None and r >= online:
+            stages.append(("label", f"{c.label.prompts_per_round} prompts, 2 answers each"))
+        stages.append(("rm", f"{c.rm.epochs} epochs"))
+        stop = f"; stops at KL {c.ppo.stop_kl}" if c.ppo.stop_kl else ""
+        stages.append(("ppo", f"{c.ppo.steps} steps x {c.ppo.rollout_batch} prompts{stop}"))
+        stages.append(("eval", f"{c.eval.num_prompts} prompts"))
+        for stage, steps in stages:
+            prefix = stage_prefix(c.run.root, c.run.name or "<new name>", r, stage)
+            planned.append(PlannedStage(r, stage, steps, prefix))
+    return planned
+
+
+def with_progress(planned: list[PlannedStage], storage_options: dict[str, Any]) -> list[PlannedStage]:
+    """Each stage's state read from its checkpoint store (a final marker, the last committed step)."""
+    out = []
+    for p in planned:
+        store = CheckpointStore(p.prefix, storage_options)
+        final = store.final()
+        if final is not None:
+            state = f"done at step {final['step']}"
+        else:
+            latest = store.latest()
+            state = "not started" if latest is None else f"at step {latest} (committed)"
+        out.append(PlannedStage(p.round_index, p.stage, p.steps, p.prefix, state))
+    return out
+
+
+def format_plan(planned: list[PlannedStage]) -> str:
+    width = max((len(p.steps) for p in planned), default=10)
+    lines = []
+    for p in planned:
+        state = f"  [{p.state}]" if p.state else ""
+        lines.append(f"  round {p.round_index}  {p.stage:5}  {p.steps:<{width}}  -> {p.prefix}{state}")
+    return "\n".join(lines)
+
+
+def read_run_file(root: str, run_name: str, name: str, storage_options: dict[str, Any]) -> str | None:
+    """A file the flow keeps at the top of a run (config.yaml, summary.json); None if absent."""
+    url = f"{root.rstrip('/')}/{run_name}/{name}"
+    try:
+        with fsspec.open(url, "r", **storage_options) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def last_events(root: str, run_name: str, n: int = 1) -> list[dict[str, Any]]:
+    """The last `n` step events of events.jsonl (torn lines skipped)."""
+    path = events_path(root, run_name)
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines()[-(n + 5) :]:
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events[-n:]

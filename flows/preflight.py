@@ -1,0 +1,141 @@
+"""Checks of a run's inputs before any server or model starts: a typo costs a second, not a
+server start. Each raises an RlflowError naming the key and value."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def check_backend(config: Any) -> None:
+    """The packages and launch settings the configured execution paths need."""
+    import importlib.util
+
+    from rlflow.engine.errors import ConfigError
+
+    if config.engine.backend == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(
+                "engine.backend=deepspeed needs the deepspeed package: pip install 'rlflow[deepspeed]'"
+                " (or set engine.backend=torch)"
+            )
+        from rlflow.engine.launch import check_resources
+
+        check_resources(config.resources)
+    if config.rollout.mode == "server" and config.rollout.server_backend == "vllm":
+        if not os.path.isfile(config.rollout.vllm_python):
+            raise ConfigError(
+                f"rollout.server_backend=vllm runs in its own environment, but rollout.vllm_python="
+                f"{config.rollout.vllm_python!r} does not exist: build it with `make vllm-env` (GPU machines)"
+            )
+
+
+def check_devices(config: Any) -> None:
+    """GPU placement, and one device per rank of this node (see placement.validate_process_count)."""
+    from rlflow.engine.placement import usable_cpu_count, validate_placement, validate_process_count, visible_gpu_count
+
+    gpus, cvd = visible_gpu_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    validate_placement(config.placement, config.rollout.mode, gpus, cvd)
+    validate_process_count(config.resources.nproc_per_node, config.placement.train, gpus, usable_cpu_count(), cvd)
+
+
+def _for_key(key: str, fn: Any, *args: Any) -> Any:
+    """fn(*args), a DataError's message led by the config key that named the file."""
+    from rlflow.engine.errors import DataError
+
+    try:
+        return fn(*args)
+    except DataError as exc:
+        raise DataError(f"{key}: {exc}") from None
+
+
+def check_prompt_lengths(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
+    """With data.prompt_overflow=drop, a prompt set left empty would fail the label or PPO stage,
+    after SFT and the reward model have trained: tokenizing the prompts now takes a second."""
+    if config.data.prompt_overflow != "drop":
+        return
+    from rlflow.engine.evaluation import encode_prompt_set
+    from rlflow.engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+    for key, records in prompt_sets.items():
+        url = getattr(config.data, key)
+        _for_key(f"data.{key}", encode_prompt_set, tokenizer, records, config.data.max_prompt_tokens, "drop", url)
+
+
+def check_reward_model_vocabulary(config: Any) -> None:
+    """rm.init given as a model: PPO feeds it the policy's token ids, so it must share the policy's
+    tokenizer. A remote committed step is not downloaded for this check."""
+    init = config.rm.init
+    if init == "sft" or "://" in init:
+        return
+    from rlflow.engine.checkpoint import model_location
+    from rlflow.engine.models import check_shared_vocabulary, resolve_model_path
+
+    path = resolve_model_path(model_location(init, {}), "rm.init")
+    check_shared_vocabulary(config.model.path, path, config.model.trust_remote_code)
+
+
+def check_run_root(config: Any) -> None:
+    """Fails now (one line, exit 2) if run.root cannot be written (a missing bucket, refused
+    credentials) or another live process holds the run; the flow takes the lock for real."""
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.run_lock import RunLock
+    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+
+    url, options = f"{config.run.root.rstrip('/')}/{config.run.name}", config.run.storage_options
+    try:
+        RunLock(url, options).acquire().release()
+    except STORAGE_ERRORS as exc:
+        reason = describe_storage_error(url, exc, options, "run.storage_options")
+        raise ConfigError(f"run.root {config.run.root!r} cannot be written: {reason}") from None
+
+
+def check_mirror(config: Any) -> None:
+    """checkpoint.mirror must take a write now: a mirror misconfigured from the start would look
+    like an endless outage, and the primary would keep every step for it."""
+    if not config.checkpoint.mirror:
+        return
+    import uuid
+
+    from fsspec.core import url_to_fs
+
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+
+    url, options = f"{config.checkpoint.mirror.rstrip('/')}/{config.run.name}", config.checkpoint.mirror_storage_options
+    try:
+        fs, path = url_to_fs(url, **options)
+        probe = f"{path.rstrip('/')}/.rlflow-probe-{uuid.uuid4().hex}"
+        if "file" in fs.protocol:  # a local folder is made; a missing bucket must stay an error
+            fs.makedirs(path, exist_ok=True)
+        fs.pipe_file(probe, b"probe")
+        fs.rm(probe)
+    except STORAGE_ERRORS as exc:
+        reason = describe_storage_error(url, exc, options, "checkpoint.mirror_storage_options")
+        raise ConfigError(f"checkpoint.mirror {config.checkpoint.mirror!r} cannot be written: {reason}") from None
+
+
+def check_inputs(config: Any) -> None:
+    """Fail fast on inputs every stage needs: devices, model paths, data files (parsed in full),
+    and where checkpoints go."""
+    from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
+    from rlflow.engine.models import resolve_model_path
+    from rlflow.engine.scoring import load_function
+
+    check_devices(config)
+    check_backend(config)
+    resolve_model_path(config.model.path)
+    d = config.data
+    loaders = {"sft": load_sft_examples, "sft_eval": load_sft_examples}
+    loaders |= {"preferences": load_preference_pairs, "preferences_eval": load_preference_pairs}
+    loaders |= {"prompts": load_prompts, "eval_prompts": load_prompts}
+    loaded = {key: _for_key(f"data.{key}", fn, getattr(d, key), d.storage_options) for key, fn in loaders.items()}
+    check_prompt_lengths(config, {key: loaded[key] for key in ("prompts", "eval_prompts")})
+    check_reward_model_vocabulary(config)
+    load_function(config.gold.fn, "gold.fn")
+    load_function(config.label.labeller.fn, "label.labeller.fn")
+    for ref in config.callbacks:
+        load_function(ref, "callbacks")
+    check_run_root(config)
+    check_mirror(config)

@@ -1,0 +1,72 @@
+"""An HTML report per run: the reward/KL/length figure, the per-round table, and a dozen sample
+responses per round with their scores. One self-contained file (the figure inlined), written
+next to the run's checkpoints and logged to its parent MLflow run as report.html."""
+
+from __future__ import annotations
+
+import base64
+import html
+from typing import Any
+
+from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.config import Config
+from rlflow.engine.round_stages import RESULTS_FILE
+from rlflow.flows.compare import TABLE_COLUMNS, RoundRecord, _cell, collect, plot_curves
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:24px;color:#1d2330;max-width:1400px}
+h1{font-size:22px;margin-bottom:2px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #dde}
+.meta{color:#667;font-size:13px} img{max-width:100%;border:1px solid #e3e5ee}
+table{border-collapse:collapse;font-size:13px;margin:8px 0} th,td{padding:4px 10px;border-bottom:1px solid #e3e5ee}
+th{background:#f3f4f8;text-align:left} td.n{text-align:right;font-variant-numeric:tabular-nums}
+td.r{max-width:520px;font-family:ui-monospace,monospace;font-size:12px}
+"""
+
+
+def sample_rows(config: Config, round_index: int, n: int = 12) -> list[dict[str, Any]]:
+    """The round's evaluation samples of its final policy (prompt, response, gold and RM score)."""
+    store = CheckpointStore(stage_prefix(config.run.root, config.run.name, round_index, "eval"), config.run.storage_options)
+    final = store.final()
+    if final is None:
+        return []
+    return store.read_json(final["step"], RESULTS_FILE)["after"]["samples"][:n]
+
+
+def render_report(run_name: str, records: list[RoundRecord], png: bytes, samples: dict[int, list[dict]]) -> str:
+    columns = [c for c, _, _ in TABLE_COLUMNS] + ["seconds"]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in ["round", *columns])
+    body = "".join(
+        f"<tr><td class=n>{rec.round_index}</td>"
+        + "".join(f"<td class=n>{_cell(rec.values.get(c), c)}</td>" for c in columns)
+        + "</tr>"
+        for rec in records
+    )
+    parts = [
+        f"<!doctype html><html><head><meta charset=utf-8><title>rlflow run {html.escape(run_name)}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>rlflow run <code>{html.escape(run_name)}</code></h1>",
+        f"<div class=meta>{len(records)} round(s); numbers read back from MLflow</div>",
+        "<h2>Rounds</h2>",
+        f"<table id=rounds><tr>{head}</tr>{body}</table>",
+        "<h2>Reward, KL and response length per PPO step</h2>",
+        f"<img alt='curves' src='data:image/png;base64,{base64.b64encode(png).decode()}'>",
+    ]
+    for round_index, rows in sorted(samples.items()):
+        parts.append(f"<h2>Round {round_index}: sample responses of the final policy</h2>")
+        parts.append("<table class=samples><tr><th>prompt</th><th>response</th><th>gold</th><th>RM</th></tr>")
+        for row in rows:
+            parts.append(
+                f"<tr><td>{html.escape(str(row.get('prompt')))}</td><td class=r>{html.escape(str(row.get('response')))}</td>"
+                f"<td class=n>{_cell(row.get('gold_score'))}</td><td class=n>{_cell(row.get('rm_score'))}</td></tr>"
+            )
+        parts.append("</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def build_report(client: Any, config: Config) -> tuple[str, bytes]:
+    """(the HTML report, the figure's PNG) of `config`'s run from its MLflow store and checkpoints."""
+    _, records = collect(client, config.tracking.experiment, [config.run.name])
+    png = plot_curves(records)
+    samples = {rec.round_index: sample_rows(config, rec.round_index) for rec in records}
+    return render_report(config.run.name, records, png, samples), png
