@@ -131,11 +131,12 @@ def run_ppo_stage(
         )
     try:
         with guard:
-            while step < cfg.steps and not run.state.stopped_by_kl:
+            while step < cfg.steps and not run.state.stopped_by_kl and not guard.stop_requested:
                 step += 1
                 guard.begin(step)
                 models.actor.poison_loss = models.critic.poison_loss = guard.poisoned(step)
                 last, breach = run.step(step, prompts, rollout.generate_batch, guard)
+                last = last or guard.stop_requested
                 if breach is not None:
                     guard.suspend()  # pausing commits a whole checkpoint
                     return run.pause(breach.step, breach)
@@ -149,7 +150,8 @@ def run_ppo_stage(
         eval_metrics, samples = run.evaluate()
         run.metrics.update(eval_metrics)
         ctx.sink.log_table("eval_samples.json", samples)
-    return finish(ctx, step, _summary(run.metrics, step, run.state) | run.safety.summary(), resume, changed)
+    summary = _summary(run.metrics, step, run.state) | run.safety.summary() | guard.early_stop_metrics()
+    return finish(ctx, step, summary, resume, changed)
 
 
 class PPORun:

@@ -163,20 +163,44 @@ class StepEvent:
 Callback = Callable[[StepEvent], "Mapping[str, float] | None"]
 
 
+class StopStage(Exception):
+    """Raised by a callback: end this SFT or PPO stage after the current step, as if it were its
+    last (a checkpoint is committed and the stage finishes; the round goes on). The message is
+    the reason, logged and kept as the stage's `train/early_stop_step` metric's cause."""
+
+
+@dataclass
+class StopRequest:
+    """Shared by the callbacks' sink and the stage's guard of one in-process stage."""
+
+    reason: str | None = None
+    step: int | None = None
+
+
 class CallbackSink(NullSink):
     """Calls each `callbacks:` function with every logged step; a returned mapping of numbers is
     logged to `downstream` as extra metrics of that step (a custom metric). A callback that
     raises stops the stage with its error: the last committed checkpoint is kept, and running the
     same command again continues from it."""
 
-    def __init__(self, callbacks: list[tuple[str, Callback]], downstream: MetricsSink, head: dict[str, Any]):
-        self.callbacks, self.downstream, self.head = callbacks, downstream, head
+    def __init__(
+        self,
+        callbacks: list[tuple[str, Callback]],
+        downstream: MetricsSink,
+        head: dict[str, Any],
+        stop: StopRequest | None = None,
+    ):
+        self.callbacks, self.downstream, self.head, self.stop = callbacks, downstream, head, stop
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         event = StepEvent(self.head["run"], self.head["round"], self.head["stage"], step, MappingProxyType(metrics))
         extra: dict[str, float] = {}
         for ref, fn in self.callbacks:
-            returned = fn(event)
+            try:
+                returned = fn(event)
+            except StopStage as exc:
+                self._request_stop(ref, step, exc)
+                continue
             if returned is None:
                 continue
             if not isinstance(returned, Mapping) or not all(isinstance(v, (int, float)) for v in returned.values()):
@@ -184,3 +208,13 @@ class CallbackSink(NullSink):
             extra |= {str(k): float(v) for k, v in returned.items()}
         if extra:
             self.downstream.log_metrics(extra, step)
+
+    def _request_stop(self, ref: str, step: int, exc: StopStage) -> None:
+        if self.stop is None:  # a distributed stage's ranks cannot hear this process
+            raise RuntimeError(
+                f"callbacks: {ref} asked to stop {self.head['stage']} at step {step} ({exc}), but an early stop"
+                " needs engine.backend=torch; the stage stops here, its last committed checkpoint kept"
+            ) from exc
+        if self.stop.reason is None:
+            self.stop.reason, self.stop.step = f"{ref}: {exc}", step
+            log.warning("round %s %s: %s asked to stop after step %d: %s", self.head["round"], self.head["stage"], ref, step, exc)

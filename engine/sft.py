@@ -102,7 +102,7 @@ def run_sft_stage(
         step, state = resume, restore_training_state(ctx, resume, {"model": engine})["sft_state"]
     started, metrics = time.monotonic(), {}
     with guard:
-        while step < cfg.max_steps and state["bad_evals"] < cfg.patience:
+        while step < cfg.max_steps and state["bad_evals"] < cfg.patience and not guard.stop_requested:
             step += 1
             guard.begin(step)
             engine.poison_loss = guard.poisoned(step)
@@ -120,7 +120,7 @@ def run_sft_stage(
             guard.end(step)
             if step % cfg.log_every == 0 or "sft/eval_loss" in metrics:
                 ctx.sink.log_metrics(metrics, step)
-            done_now = step >= cfg.max_steps or state["bad_evals"] >= cfg.patience
+            done_now = step >= cfg.max_steps or state["bad_evals"] >= cfg.patience or guard.stop_requested
             if guard.checkpoint_due(step, done_now):
                 url = save_checkpoint(
                     ctx,
@@ -130,7 +130,7 @@ def run_sft_stage(
                     should_consolidate(ctx, step, done_now),
                 )
                 guard.after_checkpoint(step, url)
-    final_metrics = {"sft/eval_loss": state["best_eval_loss"], "sft/steps": step}
+    final_metrics = {"sft/eval_loss": state["best_eval_loss"], "sft/steps": step} | guard.early_stop_metrics()
     if "sft/loss" in metrics:  # absent when resumed exactly at the last step
         final_metrics["sft/loss"] = metrics["sft/loss"]
     return finish(ctx, step, final_metrics, resume, changed)

@@ -26,6 +26,7 @@ from rlflow.engine.secrets import diff_keys
 from rlflow.engine.stage_guard import GuardLimits
 from rlflow.engine.train_state import seed_everything, step_seed
 from rlflow.engine.errors import CheckpointError
+from rlflow.engine.progress import StopRequest
 from rlflow.engine.metrics import MetricsSink, NullSink
 from rlflow.engine.mirror import CheckpointMirror, MirrorLagSink
 from rlflow.engine.models import save_model_dir
@@ -55,6 +56,7 @@ class StageContext:
     limits: GuardLimits = field(default_factory=GuardLimits)  # watchdog, preemption, non-finite skips
     allow_config_change: bool = False  # resume.allow_config_change: continue a stage whose identity changed
     mirror: CheckpointMirror | None = None  # checkpoint.mirror: a second copy of every committed step
+    stop: StopRequest | None = None  # a callback's early stop (in-process stages only)
 
     def __post_init__(self) -> None:
         # Every logged step reports checkpoint/mirror_lag_steps without the stage loops knowing.

@@ -58,6 +58,7 @@ class StageGuard:
 
     def __init__(self, ctx: StageContext, resumed_from: int | None):
         self.stage, self.label, self.limits, self.sink = ctx.stage, ctx.label, ctx.limits, ctx.sink
+        self.stop = ctx.stop
         self.resumed_from, self.every_steps = resumed_from, ctx.every_steps
         self.started = time.monotonic()  # the stage's start: resume_s counts model loading and restore
         self.nonfinite_in_row, self.nonfinite_total = 0, 0
@@ -138,6 +139,14 @@ class StageGuard:
     @property
     def preempted(self) -> bool:
         return self._preempt_at is not None
+
+    @property
+    def stop_requested(self) -> bool:
+        """A callback raised StopStage (engine/progress.py): this step is to be the stage's last."""
+        return self.stop is not None and self.stop.reason is not None
+
+    def early_stop_metrics(self) -> dict[str, float]:
+        return {"train/early_stop_step": float(self.stop.step)} if self.stop_requested else {}
 
     def checkpoint_due(self, step: int, last: bool) -> bool:
         """A scheduled checkpoint, the stage's last step, or a preemption (on any rank)."""

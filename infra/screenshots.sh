@@ -35,3 +35,10 @@ shoot() {  # url file width height
 mkdir -p "$out"
 shoot "file://$report" "$out/report.png" 1400 1500
 shoot "${prefect_api%/api}/runs/flow-run/$flow_run_id" "$out/prefect-ui.png" 1400 900
+# 128 colours: a third of the size, for committing under docs/.
+.venv/bin/python -c "
+import sys
+from PIL import Image
+for name in sys.argv[1:]:
+    Image.open(name).convert('RGB').quantize(colors=128).save(name, optimize=True)
+" "$out/report.png" "$out/prefect-ui.png"

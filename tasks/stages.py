@@ -8,6 +8,7 @@ fingerprints), so a re-run shows finished stages as Cached; the engine still che
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import os
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from rlflow.engine.config import Config
 from rlflow.engine.errors import StagePreempted
 from rlflow.engine.launch import DistributedJobError
 from rlflow.engine.metrics import FanoutSink, MetricsSink
-from rlflow.engine.progress import CallbackSink, EventLogSink, console_sink, events_path
+from rlflow.engine.progress import CallbackSink, EventLogSink, StopRequest, console_sink, events_path
 from rlflow.engine.backend import Runtime
 from rlflow.engine.placement import devices_for
 from rlflow.engine.ppo_stage import PPOInputs
@@ -123,14 +124,16 @@ def _run_tracked(
     set_threads(config.run.threads)
     tracker = RunTracker(resolve_tracking_uri(config.tracking.uri, config.run.root), config.tracking.experiment)
     run_id = tracker.child_run(spec.parent_run_id, spec.round_index, spec.stage)
-    sink, call = stage_sinks(config, spec, total_steps, tracker.sink(run_id)), _call(config, spec, **inputs)
+    in_process = body is not None or config.engine.backend != "deepspeed"
+    stop = StopRequest() if in_process else None  # a distributed stage's ranks cannot hear a callback
+    sink, call = stage_sinks(config, spec, total_steps, tracker.sink(run_id), stop), _call(config, spec, **inputs)
     try:
         if body is not None:
-            outcome = body(make_context(config, call, sink, Runtime(config.engine)))
+            outcome = body(replace(make_context(config, call, sink, Runtime(config.engine)), stop=stop))
         elif config.engine.backend == "deepspeed":
             outcome = launch_training_stage(config, call, sink, get_run_logger())
         else:
-            outcome = run_stage_call(make_context(config, call, sink), config, call)
+            outcome = run_stage_call(replace(make_context(config, call, sink), stop=stop), config, call)
     except BaseException:
         tracker.finish(run_id, "FAILED")
         raise
@@ -164,7 +167,9 @@ def _run_tracked(
     )
 
 
-def stage_sinks(config: Config, spec: StageSpec, total_steps: int | None, mlflow_sink: MetricsSink) -> MetricsSink:
+def stage_sinks(
+    config: Config, spec: StageSpec, total_steps: int | None, mlflow_sink: MetricsSink, stop: StopRequest | None
+) -> MetricsSink:
     """Where a stage's numbers go: the console (a bar or lines), MLflow, events.jsonl, then the
     user's callbacks, whose returned metrics go to the first three."""
     head = {"run": config.run.name, "round": spec.round_index, "stage": spec.stage}
@@ -174,7 +179,7 @@ def stage_sinks(config: Config, spec: StageSpec, total_steps: int | None, mlflow
     if not config.callbacks:
         return recorded
     callbacks = [(ref, load_function(ref, "callbacks")) for ref in config.callbacks]
-    return FanoutSink(recorded, CallbackSink(callbacks, recorded, head))
+    return FanoutSink(recorded, CallbackSink(callbacks, recorded, head, stop))
 
 
 def guard_tags(config: Config, outcome: StageOutcome) -> dict[str, str]:

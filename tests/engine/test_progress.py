@@ -6,18 +6,24 @@ import math
 
 import pytest
 
-from conftest import RecordingSink
-from rlflow.engine.metrics import ConsoleSink
+from conftest import RecordingSink, small_config_tree
+from rlflow.engine.checkpoint import CheckpointStore
+from rlflow.engine.config import build_config
+from rlflow.engine.metrics import ConsoleSink, FanoutSink
 from rlflow.engine.progress import (
     QUIET_ENV,
     CallbackSink,
     EventLogSink,
     ProgressSink,
     StepEvent,
+    StopRequest,
+    StopStage,
     bar_values,
     console_sink,
     events_path,
 )
+from rlflow.engine.sft import run_sft_stage
+from rlflow.engine.stage import StageContext
 
 
 def read_events(path):
@@ -107,3 +113,28 @@ def test_the_bar_shows_step_tokens_reward_kl_and_eta():
     out = stream.getvalue()
     assert "round 1 ppo" in out and "4/4" in out and "ETA" in out and "reward=2" in out and "kl=0.01" in out and "tok/s=1504" in out
     assert bar_values({"sft/loss": math.pi}) == "loss=3.142"
+
+
+def test_a_callback_stops_sft_early_at_a_committed_final_step(small_assets, tmp_path):
+    """StopStage from a callback: the step it saw is the stage's last, committed and final."""
+    cfg = build_config(small_config_tree(small_assets, tmp_path, sft={"max_steps": 60, "log_every": 5}), "test")
+
+    def stop_on_low_loss(event):
+        if event.step >= 15:
+            raise StopStage("loss is low enough")
+
+    stop, recorded = StopRequest(), RecordingSink()
+    sink = CallbackSink([("hooks:stop_on_low_loss", stop_on_low_loss)], recorded, {"run": "t", "round": 0, "stage": "sft"}, stop)
+    store = CheckpointStore(f"{tmp_path}/sft")
+    ctx = StageContext(
+        store=store, stage="sft", round_index=0, seed=0, identity="i", identity_tree={}, every_steps=100,
+        sink=FanoutSink(recorded, sink), stop=stop,
+    )
+    outcome = run_sft_stage(ctx, cfg.model.path, cfg.model, cfg.sft, cfg.data)
+    assert outcome.step == 15 and store.final()["step"] == 15 and store.committed_steps() == [15]
+    assert outcome.metrics["train/early_stop_step"] == 15.0 and stop.reason == "hooks:stop_on_low_loss: loss is low enough"
+    assert max(step for step, _ in recorded.metrics) == 15
+    # Without a way to reach the stage (a DeepSpeed job's ranks), the request is an error, not ignored.
+    deaf = CallbackSink([("hooks:s", stop_on_low_loss)], RecordingSink(), {"run": "t", "round": 0, "stage": "ppo"})
+    with pytest.raises(RuntimeError, match="needs engine.backend=torch"):
+        deaf.log_metrics({}, 20)
