@@ -22,6 +22,9 @@ class MetricsSink(Protocol):
     def log_text(self, name: str, text: str) -> None:
         """Record a text artifact (e.g. a checkpoint URI) under the file name `name`."""
 
+    def close(self) -> None:
+        """The stage is over (finished or failed): release what the sink holds (a live display)."""
+
 
 class NullSink:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -31,6 +34,9 @@ class NullSink:
         pass
 
     def log_text(self, name: str, text: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -65,6 +71,10 @@ class FanoutSink(NullSink):
     def log_text(self, name: str, text: str) -> None:
         for sink in self.sinks:
             sink.log_text(name, text)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            getattr(sink, "close", lambda: None)()  # a sink with nothing to release may leave it out
 
 
 def _short(value: float) -> str:

@@ -66,12 +66,12 @@ class ProgressSink(NullSink):
             self.progress.start()
             self.started = True
         self.progress.update(self.task, completed=step, values=bar_values(metrics))
-        if step >= (self.progress.tasks[0].total or 0):
-            self.progress.stop()
 
-    def __del__(self) -> None:
-        if getattr(self, "started", False):
+    def close(self) -> None:
+        """Ends the live display, whatever ended the stage (its last step, an early stop, an error)."""
+        if self.started:
             self.progress.stop()
+            self.started = False
 
 
 def bar_values(metrics: Mapping[str, float]) -> str:
@@ -178,10 +178,11 @@ class StopRequest:
 
 
 class CallbackSink(NullSink):
-    """Calls each `callbacks:` function with every logged step; a returned mapping of numbers is
-    logged to `downstream` as extra metrics of that step (a custom metric). A callback that
-    raises stops the stage with its error: the last committed checkpoint is kept, and running the
-    same command again continues from it."""
+    """Wraps the stage's sinks: calls each `callbacks:` function with every logged step, then logs
+    the step with what the callbacks returned (a mapping of numbers: custom metrics) added. A
+    callback that raises StopStage ends the stage early (see StopStage); any other exception
+    stops the stage with that error after the step is logged: the last committed checkpoint is
+    kept, and running the same command again continues from it."""
 
     def __init__(
         self,
@@ -193,7 +194,15 @@ class CallbackSink(NullSink):
         self.callbacks, self.downstream, self.head, self.stop = callbacks, downstream, head, stop
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        event = StepEvent(self.head["run"], self.head["round"], self.head["stage"], step, MappingProxyType(metrics))
+        try:
+            extra = self._call_all(metrics, step)
+        except BaseException:
+            self.downstream.log_metrics(metrics, step)
+            raise
+        self.downstream.log_metrics(metrics | extra, step)
+
+    def _call_all(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        event = StepEvent(self.head["run"], self.head["round"], self.head["stage"], step, MappingProxyType(dict(metrics)))
         extra: dict[str, float] = {}
         for ref, fn in self.callbacks:
             try:
@@ -206,8 +215,16 @@ class CallbackSink(NullSink):
             if not isinstance(returned, Mapping) or not all(isinstance(v, (int, float)) for v in returned.values()):
                 raise TypeError(f"callbacks: {ref} must return None or a mapping of metric name to number")
             extra |= {str(k): float(v) for k, v in returned.items()}
-        if extra:
-            self.downstream.log_metrics(extra, step)
+        return extra
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        self.downstream.log_table(name, rows)
+
+    def log_text(self, name: str, text: str) -> None:
+        self.downstream.log_text(name, text)
+
+    def close(self) -> None:
+        self.downstream.close()
 
     def _request_stop(self, ref: str, step: int, exc: StopStage) -> None:
         if self.stop is None:  # a distributed stage's ranks cannot hear this process

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+from urllib.parse import urlsplit, urlunsplit
 from typing import Any
 
 from pydantic import BaseModel
@@ -103,3 +104,12 @@ def secret_strings(tree: Any) -> list[str]:
 
     walk(tree)
     return sorted(found, key=len, reverse=True)
+
+
+def shown_url(url: str) -> str:
+    """A URL without user info and query: either may hold a token."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc and not parts.query:
+        return url  # as given: urlunsplit would turn sqlite:////abs/path into sqlite://abs/path
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=("***@" if "@" in parts.netloc else "") + host, query=""))

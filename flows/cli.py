@@ -74,9 +74,12 @@ def command_run(args: argparse.Namespace) -> int:
 
 
 def reporting_to(config: Any) -> str:
-    prefect = os.environ.get("PREFECT_API_URL") or "a temporary local Prefect server (`make up` keeps one)"
-    mlflow = config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite under run.root"
-    return f"Prefect: {prefect}; MLflow: {mlflow}"
+    from rlflow.engine.secrets import shown_url
+
+    prefect = os.environ.get("PREFECT_API_URL")
+    mlflow = config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    prefect = shown_url(prefect) if prefect else "a temporary local Prefect server (`make up` keeps one)"
+    return f"Prefect: {prefect}; MLflow: {shown_url(mlflow) if mlflow else 'sqlite under run.root'}"
 
 
 def dry_run_text(config: Any) -> str:
@@ -95,17 +98,10 @@ def dry_run_text(config: Any) -> str:
 
 def command_status(args: argparse.Namespace) -> int:
     """Where a run stands: each planned stage's state, the last logged step, the round summary."""
-    import yaml
-
-    from rlflow.engine.config import build_config
-    from rlflow.engine.errors import ConfigError
-    from rlflow.flows.plan import format_plan, last_events, plan_stages, read_run_file, with_progress
+    from rlflow.flows.plan import format_plan, last_events, load_run_config, plan_stages, read_run_file, with_progress
     from rlflow.flows.rlhf import format_table
 
-    text = read_run_file(args.root, args.run, "config.yaml", {})
-    if text is None:
-        raise ConfigError(f"no run '{args.run}' under {args.root} (no config.yaml there); see `ls {args.root}`")
-    config = build_config(yaml.safe_load(text), f"{args.root}/{args.run}/config.yaml")
+    config = load_run_config(args.root, args.run)
     print(f"run '{args.run}' ({args.root.rstrip('/')}/{args.run}):")
     print(format_plan(with_progress(plan_stages(config), config.run.storage_options)))
     for event in last_events(args.root, args.run):

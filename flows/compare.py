@@ -100,14 +100,17 @@ def format_compare_table(records: list[RoundRecord]) -> str:
     header = f"{'run':<24} {'round':>5} " + " ".join(f"{c:>11}" for c in columns)
     lines = [header]
     for rec in records:
-        cells = " ".join(f"{_cell(rec.values.get(c), c):>11}" for c in columns)
+        cells = " ".join(f"{format_cell(rec.values.get(c), c):>11}" for c in columns)
         lines.append(f"{rec.run[:24]:<24} {rec.round_index:>5} {cells}")
     return "\n".join(lines)
 
 
-def _cell(value: float | None, column: str = "") -> str:
+def format_cell(value: Any, column: str = "") -> str:
+    """A table cell: floats to 4 decimals (seconds and tokens/s to 1), "-" for a missing value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if not isinstance(value, float):
+        return str(value)
     return f"{value:.1f}" if column in ("seconds", "ppo_tok_s") else f"{value:.4f}"
 
 

@@ -40,6 +40,24 @@ def load_deployments(path: Path, names: list[str] | None) -> list[dict[str, Any]
     return deployments
 
 
+def check_parameters(deployment: dict[str, Any], source: Path) -> None:
+    """No deployment parameter may hold a literal secret: Prefect stores parameters."""
+    leaked = [
+        key
+        for key, value in _leaves(deployment.get("parameters") or {})
+        if is_secret_path(tuple(key.split("."))) and value not in (None, {}, "") and not _is_ref(value)
+    ]
+    if leaked:
+        raise ConfigError(
+            f"{source}: deployment {deployment.get('name')!r}: parameter(s) {', '.join(leaked)} would be stored by"
+            " Prefect; use environment credentials or prefect-secret:<block name>"
+        )
+
+
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("prefect-secret:")
+
+
 def check_rlhf_deployment(deployment: dict[str, Any], project: Path, source: Path) -> None:
     """The config of an rlhf_next_round deployment: loads, names its run, holds no secret."""
     name, params = deployment.get("name"), deployment.get("parameters") or {}
@@ -49,19 +67,17 @@ def check_rlhf_deployment(deployment: dict[str, Any], project: Path, source: Pat
         raise ConfigError(f"{where}: parameters.config_path is required (a config file relative to the project)")
     overrides = list(params.get("overrides") or [])
     for override in overrides:
-        key = override.split("=", 1)[0].strip().split(".")
-        value = override.split("=", 1)[1] if "=" in override else ""
-        if is_secret_path(tuple(key)) and not value.startswith("prefect-secret:"):
+        key, _, value = override.partition("=")
+        if is_secret_path(tuple(key.strip().split("."))) and not _is_ref(value):
             raise ConfigError(
-                f"{where}: override of {'.'.join(key)} would store a secret as a Prefect parameter;"
-                " use an environment credential or a Secret block: "
-                f"{'.'.join(key)}=prefect-secret:<block name>"
+                f"{where}: override of {key.strip()} would store a secret as a Prefect parameter;"
+                f" use an environment credential or a Secret block: {key.strip()}=prefect-secret:<block name>"
             )
     config = load_config(project / config_path, overrides)
     if config.run.name is None:
         raise ConfigError(f"{where}: the config leaves run.name empty; add run.name=<name> to its overrides")
     _, secrets = split_secrets(config.model_dump(mode="json"))
-    literal = [key for key, value in _leaves(secrets) if not str(value).startswith("prefect-secret:")]
+    literal = [key for key, value in _leaves(secrets) if not _is_ref(value)]
     if literal:
         raise ConfigError(
             f"{where}: {config_path} holds secret value(s) at {', '.join(literal)}; a deployment stores its"
@@ -103,6 +119,7 @@ def deploy(path: Path, project: Path, names: list[str] | None, pool_types: dict[
     """Check, create pools, then `prefect deploy` each selected deployment; output lines."""
     deployments = load_deployments(path, names)
     for deployment in deployments:
+        check_parameters(deployment, path)
         if deployment.get("entrypoint") == RLHF_ENTRYPOINT:
             check_rlhf_deployment(deployment, project, path)
     lines = ensure_pools(deployments, project, pool_types)

@@ -9,6 +9,7 @@ at run time and never stored.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -18,7 +19,6 @@ from prefect import flow, get_run_logger
 from prefect.blocks.system import Secret
 from prefect.events import emit_event
 from prefect.runtime import flow_run
-from prefect.variables import Variable
 
 from rlflow.engine.config import Config, load_config
 from rlflow.engine.errors import ConfigError
@@ -29,7 +29,6 @@ from rlflow.flows.rlhf import run_pipeline
 
 SECRET_REF = "prefect-secret:"
 LABELS_EVENT = "rlflow.labels.landed"
-SEEN_VARIABLE = "rlflow_label_inbox_seen"  # Prefect Variable: files already announced
 
 
 def resolve_secret_refs(tree: Any) -> Any:
@@ -78,18 +77,25 @@ def rlhf_next_round(config_path: str, overrides: list[str] | None = None) -> dic
 @flow(name="rlflow-label-inbox", result_serializer="json")
 def watch_label_inbox(inbox: str, storage_options: dict[str, Any] | None = None) -> dict[str, list[str]]:
     """Emit `rlflow.labels.landed` once per new `<inbox>/<run>/round_<n>.jsonl` (the file, its
-    run and round in the event's resource); a deployment trigger starts the run's next round."""
-    fs, base = url_to_fs(inbox, **(storage_options or {}))
-    seen = set(Variable.get(SEEN_VARIABLE, default=[]))
+    run and round in the event's resource); a deployment trigger starts the run's next round.
+
+    What was announced is marked beside the file (`.announced/<name>.<sha256 prefix>`), so a
+    replaced file (`label import --replace`) is announced again. The mark is written before the
+    event: a crash between them loses that event (the nightly schedule still runs the round)
+    rather than starting a round twice."""
+    fs, base = url_to_fs(inbox, **resolve_secret_refs(storage_options or {}))
     announced = []
     for path in sorted(fs.glob(f"{base.rstrip('/')}/*/round_*.jsonl")):
-        match = re.search(r"([^/]+)/round_(\d+)\.jsonl$", path)
+        match = re.search(r"([^/]+)/(round_(\d+)\.jsonl)$", path)
         if match is None:
             continue
-        key = f"{path}@{fs.info(path).get('size')}"  # a replaced file (--replace) is announced again
-        if key in seen:
+        run, name, round_index = match[1], match[2], match[3]
+        digest = hashlib.sha256(fs.cat_file(path)).hexdigest()[:16]
+        mark = f"{path.rsplit('/', 1)[0]}/.announced/{name}.{digest}"
+        if fs.exists(mark):
             continue
-        run, round_index = match[1], match[2]
+        fs.makedirs(mark.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(mark, b"")
         emit_event(
             event=LABELS_EVENT,
             resource={
@@ -99,9 +105,7 @@ def watch_label_inbox(inbox: str, storage_options: dict[str, Any] | None = None)
                 "rlflow.file": fs.unstrip_protocol(path),
             },
         )
-        seen.add(key)
         announced.append(path)
-    Variable.set(SEEN_VARIABLE, sorted(seen), overwrite=True)
     if announced:
         get_run_logger().info("announced %d new label file(s): %s", len(announced), announced)
     return {"announced": announced}

@@ -18,12 +18,13 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
+
+from rlflow.engine.secrets import shown_url
 
 # The Makefile installs torch==2.13.0 before the project (pyproject says torch>=2.4 so that no
 # requirement pulls a CUDA build): the tested torch is named here, every other pin in pyproject.
@@ -106,12 +107,12 @@ def check_devices(config: Any) -> Check:
     import torch
 
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.placement import usable_cpu_count, validate_placement, validate_process_count
+    from rlflow.engine.placement import visible_gpu_count
+    from rlflow.flows.preflight import check_devices as check_placement
 
-    count, cvd = torch.cuda.device_count() if torch.cuda.is_available() else 0, os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = visible_gpu_count()
     try:
-        validate_placement(config.placement, config.rollout.mode, count, cvd)
-        validate_process_count(config.resources.nproc_per_node, config.placement.train, count, usable_cpu_count(), cvd)
+        check_placement(config)  # the rules `rlflow run` applies
     except ConfigError as exc:
         return Check("devices", "fail", str(exc), "run where the config's GPUs are, or change placement/resources")
     if count == 0:
@@ -210,17 +211,11 @@ def check_vllm(config: Any) -> Check:
 def probe_writable(key: str, url: str, options: dict[str, Any], options_key: str) -> Check:
     """Write and delete a probe file under `url` (as `rlflow run` checks the mirror); a failure's
     reason never shows a storage option's value."""
-    from fsspec.core import url_to_fs
-
     from rlflow.engine.storage_errors import describe_storage_error
+    from rlflow.flows.preflight import probe_write
 
     try:
-        fs, path = url_to_fs(url, **options)
-        probe = f"{path.rstrip('/')}/.rlflow-probe-{uuid.uuid4().hex}"
-        if "file" in fs.protocol:  # a local folder is made (a run would); a missing bucket stays an error
-            fs.makedirs(path, exist_ok=True)
-        fs.pipe_file(probe, b"probe")
-        fs.rm(probe)
+        probe_write(url, options)
     except Exception as exc:  # whatever the backend raises is reported, with secrets masked
         reason = describe_storage_error(url, exc, options, options_key)
         fix = f"set {key} to a writable path or bucket (credentials: {options_key} or the AWS_* environment)"
@@ -256,15 +251,6 @@ def check_disk(config: Any) -> Check:
     while not path.exists() and path != path.parent:
         path = path.parent
     return disk_check(shutil.disk_usage(path).free, str(path))
-
-
-def shown_url(url: str) -> str:
-    """A URL without user info and query: either may hold a token."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc and not parts.query:
-        return url  # as given: urlunsplit would turn sqlite:////abs/path into sqlite://abs/path
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit(parts._replace(netloc=("***@" if "@" in parts.netloc else "") + host, query=""))
 
 
 def http_health(name: str, base: str, fix: str) -> Check:

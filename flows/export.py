@@ -9,8 +9,7 @@ from typing import Any
 
 from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.errors import ConfigError
-from rlflow.flows.labels import run_config
-from rlflow.flows.plan import read_run_file
+from rlflow.flows.plan import load_run_config, read_run_file
 
 EVAL_COLUMNS = ("round", "gold_score_before", "gold_score_after", "kl", "rm_accuracy", "response_length")
 
@@ -35,7 +34,7 @@ def lineage_of(config: Any, round_index: int) -> dict[str, str]:
 def command_export(args: argparse.Namespace) -> int:
     from rlflow.engine.export import ModelCard, export_policy
 
-    config = run_config(args.root, args.run)
+    config = load_run_config(args.root, args.run)
     store = CheckpointStore(stage_prefix(config.run.root, config.run.name, args.round, "ppo"), config.run.storage_options)
     final = store.final()
     if final is None:

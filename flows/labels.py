@@ -18,22 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-import yaml
 
 from rlflow.engine.checkpoint import CheckpointStore, model_location, stage_prefix
-from rlflow.engine.config import Config, build_config
+from rlflow.engine.config import Config
 from rlflow.engine.errors import ConfigError, DataError
-from rlflow.flows.plan import read_run_file
+from rlflow.flows.plan import load_run_config
 
 COLUMNS = ("id", "run", "round", "prompt", "answer_a", "answer_b", "choice")
 CHOICES = {"a": "A", "1": "A", "b": "B", "2": "B", "tie": None, "": None}
-
-
-def run_config(root: str, run_name: str) -> Config:
-    text = read_run_file(root, run_name, "config.yaml", {})
-    if text is None:
-        raise ConfigError(f"no run '{run_name}' under {root} (no config.yaml); check the name and --root")
-    return build_config(yaml.safe_load(text), f"{root}/{run_name}/config.yaml")
 
 
 def round_policy(config: Config, round_index: int) -> str:
@@ -57,7 +49,7 @@ def export_candidates(root: str, run_name: str, round_index: int, out_dir: Path,
     from rlflow.engine.round_stages import sample_answer_pairs
     from rlflow.engine.rollout import SamplingParams
 
-    config = run_config(root, run_name)
+    config = load_run_config(root, run_name)
     triples = sample_answer_pairs(
         round_policy(config, round_index),
         config.model,
@@ -156,7 +148,7 @@ def read_labelled(path: Path) -> LabelledFile:
 def import_labels(path: Path, root: str, replace: bool) -> str:
     """Put a labelled file's pairs where the next round (and the watcher) find them; its URL."""
     labelled = read_labelled(path)
-    config = run_config(root, labelled.run)
+    config = load_run_config(root, labelled.run)
     inbox = config.label.human_inbox
     if inbox is None:
         raise ConfigError(

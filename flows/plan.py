@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import yaml
 
 from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, build_config
+from rlflow.engine.errors import ConfigError
 from rlflow.engine.progress import events_path
+from rlflow.engine.secrets import REDACTED
 
 
 @dataclass(frozen=True)
@@ -90,3 +93,19 @@ def last_events(root: str, run_name: str, n: int = 1) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return events[-n:]
+
+
+def load_run_config(root: str, run_name: str) -> Config:
+    """The config a run was last started with (`<root>/<run>/config.yaml`, written redacted by
+    the flow). A redacted value falls back to its default: storage credentials then come from
+    the environment (AWS_* for s3fs), as they would for `rlflow run` without them."""
+    text = read_run_file(root, run_name, "config.yaml", {})
+    if text is None:
+        raise ConfigError(f"no run '{run_name}' under {root} (no config.yaml there); check the name and --root")
+    return build_config(_without_redacted(yaml.safe_load(text)), f"{root.rstrip('/')}/{run_name}/config.yaml")
+
+
+def _without_redacted(tree: Any) -> Any:
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _without_redacted(v) for k, v in tree.items() if v != REDACTED}

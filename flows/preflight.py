@@ -91,26 +91,32 @@ def check_run_root(config: Any) -> None:
         raise ConfigError(f"run.root {config.run.root!r} cannot be written: {reason}") from None
 
 
+def probe_write(url: str, options: dict[str, Any]) -> None:
+    """Write and delete a probe file under `url`; raises what the store raises. A local folder
+    is made (a run would make it); a missing bucket stays an error."""
+    import uuid
+
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url, **options)
+    probe = f"{path.rstrip('/')}/.rlflow-probe-{uuid.uuid4().hex}"
+    if "file" in fs.protocol:
+        fs.makedirs(path, exist_ok=True)
+    fs.pipe_file(probe, b"probe")
+    fs.rm(probe)
+
+
 def check_mirror(config: Any) -> None:
     """checkpoint.mirror must take a write now: a mirror misconfigured from the start would look
     like an endless outage, and the primary would keep every step for it."""
     if not config.checkpoint.mirror:
         return
-    import uuid
-
-    from fsspec.core import url_to_fs
-
     from rlflow.engine.errors import ConfigError
     from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
 
     url, options = f"{config.checkpoint.mirror.rstrip('/')}/{config.run.name}", config.checkpoint.mirror_storage_options
     try:
-        fs, path = url_to_fs(url, **options)
-        probe = f"{path.rstrip('/')}/.rlflow-probe-{uuid.uuid4().hex}"
-        if "file" in fs.protocol:  # a local folder is made; a missing bucket must stay an error
-            fs.makedirs(path, exist_ok=True)
-        fs.pipe_file(probe, b"probe")
-        fs.rm(probe)
+        probe_write(url, options)
     except STORAGE_ERRORS as exc:
         reason = describe_storage_error(url, exc, options, "checkpoint.mirror_storage_options")
         raise ConfigError(f"checkpoint.mirror {config.checkpoint.mirror!r} cannot be written: {reason}") from None

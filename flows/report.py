@@ -11,7 +11,7 @@ from typing import Any
 from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.config import Config
 from rlflow.engine.round_stages import RESULTS_FILE
-from rlflow.flows.compare import TABLE_COLUMNS, RoundRecord, _cell, collect, plot_curves
+from rlflow.flows.compare import TABLE_COLUMNS, RoundRecord, format_cell, collect, plot_curves
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#1d2330;max-width:1400px}
@@ -37,7 +37,7 @@ def render_report(run_name: str, records: list[RoundRecord], png: bytes, samples
     head = "".join(f"<th>{html.escape(c)}</th>" for c in ["round", *columns])
     body = "".join(
         f"<tr><td class=n>{rec.round_index}</td>"
-        + "".join(f"<td class=n>{_cell(rec.values.get(c), c)}</td>" for c in columns)
+        + "".join(f"<td class=n>{format_cell(rec.values.get(c), c)}</td>" for c in columns)
         + "</tr>"
         for rec in records
     )
@@ -57,7 +57,7 @@ def render_report(run_name: str, records: list[RoundRecord], png: bytes, samples
         for row in rows:
             parts.append(
                 f"<tr><td>{html.escape(str(row.get('prompt')))}</td><td class=r>{html.escape(str(row.get('response')))}</td>"
-                f"<td class=n>{_cell(row.get('gold_score'))}</td><td class=n>{_cell(row.get('rm_score'))}</td></tr>"
+                f"<td class=n>{format_cell(row.get('gold_score'))}</td><td class=n>{format_cell(row.get('rm_score'))}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")

@@ -24,12 +24,14 @@ from prefect.states import Crashed
 
 from rlflow.engine.run_lock import RunLock
 from rlflow.engine.config import Config, build_config
-from rlflow.engine.secrets import merge_trees, redact
+from rlflow.engine.secrets import merge_trees, redact, shown_url
+from rlflow.flows.plan import read_run_file
 from rlflow.engine.data import fingerprint_file
 from rlflow.engine.models import model_fingerprint
 from rlflow.engine.round_stages import PAIRS_FILE
 from rlflow.engine.stage import compute_identity
 from rlflow.flows.breach import settle_breaches
+from rlflow.flows.compare import format_cell
 from rlflow.flows.report import build_report
 from rlflow.tasks.stages import (
     StageResult,
@@ -145,7 +147,8 @@ def run_round(
     human = human_label_files(c, r)
     rm_inputs = {"init": _input_id(rm_init), "labels": ",".join(l.manifest_sha256 for l in labels)}
     if human:  # only then: runs without human labels keep their identities
-        rm_inputs["human"] = ",".join(f"{url}@{fp}" for url, fp in human.items())
+        # Names and hashes, not URLs: a moved project or another mount is not a change.
+        rm_inputs["human"] = ",".join(f"{url.rsplit('/', 1)[-1]}@{fp}" for url, fp in human.items())
     rm_spec = planner.spec(
         "rm",
         r,
@@ -253,12 +256,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     header = ["round", *SUMMARY_KEYS]
     lines = ["  ".join(f"{h:>17}" for h in header)]
     for row in rows:
-        lines.append("  ".join(f"{_cell(row.get(h)):>17}" for h in header))
+        lines.append("  ".join(f"{format_cell(row.get(h), h):>17}" for h in header))
     return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def mark_stale_flow_runs_crashed(run_name: str) -> list[str]:
@@ -300,8 +299,11 @@ def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: st
             logger.warning(
                 "flow run %s of '%s' was left Running or Paused by a killed process: Crashed", stale, cfg.run.name
             )
+        uri = settle_tracking_uri(cfg, logger)
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"uri": uri})})
+        config = {**config, "tracking": {**config.get("tracking", {}), "uri": uri}}
         write_run_file(cfg, "config.yaml", yaml.safe_dump(config, sort_keys=False))  # redacted: for `rlflow status`
-        tracker = RunTracker(resolve_tracking_uri(cfg.tracking.uri, cfg.run.root), cfg.tracking.experiment)
+        tracker = RunTracker(uri, cfg.tracking.experiment)
         parent = tracker.parent_run(cfg.run.name, config)
         tracker.mark_crashed_children(parent)
         try:
@@ -313,6 +315,33 @@ def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: st
         publish_report(cfg, tracker, parent, logger)
         tracker.finish(parent, "FINISHED")
     return {"run": cfg.run.name, "rounds": rows, "final_policy": policy.checkpoint_uri}
+
+
+TRACKING_FILE = "tracking_uri"
+
+
+def settle_tracking_uri(cfg: Config, logger: Any) -> str:
+    """The MLflow store of the run: where it started, recorded in the run's folder. A continued
+    run stays there, even if MLFLOW_TRACKING_URI now names another store (`make up` since), or
+    its rounds would split over two stores; an explicit tracking.uri wins, with a warning. A URI
+    holding credentials is not recorded (it would be a secret in a plain file)."""
+    resolved = resolve_tracking_uri(cfg.tracking.uri, cfg.run.root)
+    text = read_run_file(cfg.run.root, cfg.run.name, TRACKING_FILE, cfg.run.storage_options)
+    recorded = text.strip() if text else None
+    if recorded is None or recorded == resolved:
+        if recorded is None and shown_url(resolved) == resolved:
+            write_run_file(cfg, TRACKING_FILE, resolved)
+        return resolved
+    if cfg.tracking.uri is None:
+        logger.warning(
+            "run '%s' keeps its MLflow store %s (where it started), not %s", cfg.run.name, recorded, shown_url(resolved)
+        )
+        return recorded
+    logger.warning(
+        "tracking.uri %s is not the store run '%s' started in (%s): its earlier rounds are not there",
+        shown_url(resolved), cfg.run.name, recorded,
+    )
+    return resolved
 
 
 def publish_report(cfg: Config, tracker: RunTracker, parent: str, logger: Any) -> None:

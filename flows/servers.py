@@ -69,10 +69,24 @@ class Server:
         return argv, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
-def servers(state_dir: Path = STATE_DIR) -> list[Server]:
-    ports = {"prefect": "RLFLOW_PREFECT_PORT", "mlflow": "RLFLOW_MLFLOW_PORT"}
+def servers(state_dir: Path | None = None) -> list[Server]:
+    """The servers of `state_dir`: on the ports `up` recorded in servers.json, else on the ports
+    the environment asks for (RLFLOW_PREFECT_PORT, RLFLOW_MLFLOW_PORT; 4200 and 5000)."""
+    state_dir = state_dir or STATE_DIR
+    recorded = _read_registry(state_dir)
+    env = {"prefect": "RLFLOW_PREFECT_PORT", "mlflow": "RLFLOW_MLFLOW_PORT"}
     defaults = {"prefect": 4200, "mlflow": 5000}
-    return [Server(name, int(os.environ.get(var, defaults[name])), state_dir) for name, var in ports.items()]
+    return [
+        Server(name, int(recorded.get(name, {}).get("port") or os.environ.get(var, defaults[name])), state_dir)
+        for name, var in env.items()
+    ]
+
+
+def _read_registry(state_dir: Path) -> dict[str, dict]:
+    try:
+        return json.loads((state_dir / "servers.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def healthy(server: Server, timeout: float = 2.0) -> bool:
@@ -160,22 +174,17 @@ def _alive(pid: int) -> bool:
 
 
 def write_registry(state_dir: Path, entries: list[Server]) -> None:
-    urls = {server.name: server.url for server in entries}
-    (state_dir / "servers.json").write_text(json.dumps(urls, indent=2))
+    registry = {server.name: {"url": server.url, "port": server.port} for server in entries}
+    (state_dir / "servers.json").write_text(json.dumps(registry, indent=2))
 
 
-def registered_urls(state_dir: Path = STATE_DIR) -> dict[str, str]:
+def registered_urls(state_dir: Path | None = None) -> dict[str, str]:
     """{"prefect": PREFECT_API_URL, "mlflow": MLFLOW_TRACKING_URI} of the servers `make up`
     started here that answer now; {} if none."""
-    try:
-        urls = json.loads((state_dir / "servers.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    live = {s.name: s for s in servers(state_dir) if s.url == urls.get(s.name)}
-    return {name: urls[name] for name, server in live.items() if running_pid(server) and healthy(server)}
+    return {s.name: s.url for s in servers(state_dir) if running_pid(s) and healthy(s)}
 
 
-def status_lines(state_dir: Path = STATE_DIR) -> list[str]:
+def status_lines(state_dir: Path | None = None) -> list[str]:
     lines = []
     for server in servers(state_dir):
         pid = running_pid(server)
@@ -191,20 +200,31 @@ def status_lines(state_dir: Path = STATE_DIR) -> list[str]:
     return lines
 
 
+def up(state_dir: Path) -> list[str]:
+    """Start both servers at once (Prefect takes ~15 s to answer, MLflow ~6 s); if one fails,
+    the other is stopped too."""
+    entries = servers(state_dir)
+    launched = [(server, launch(server)) for server in entries]
+    lines = []
+    try:
+        for server, proc in launched:
+            lines.append(proc if isinstance(proc, str) else _wait_healthy(server, proc, 120.0))
+    except SystemExit:
+        for server in entries:
+            stop(server)
+        raise
+    write_registry(state_dir, entries)
+    return lines
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlflow-servers", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("up", "down", "status"))
     action = parser.parse_args(argv).action
-    entries = servers()
     if action == "up":
-        # Both start at once: Prefect takes ~15 s to answer, MLflow ~6 s.
-        launched = [(server, launch(server)) for server in entries]
-        for server, proc in launched:
-            print(proc if isinstance(proc, str) else _wait_healthy(server, proc, 120.0), flush=True)
-        write_registry(STATE_DIR, entries)
+        print("\n".join(up(STATE_DIR)))
     elif action == "down":
-        for server in entries:
+        for server in servers(STATE_DIR):
             print(stop(server))
         (STATE_DIR / "servers.json").unlink(missing_ok=True)
     print("\n".join(status_lines()))

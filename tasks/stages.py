@@ -137,6 +137,8 @@ def _run_tracked(
     except BaseException:
         tracker.finish(run_id, "FAILED")
         raise
+    finally:
+        sink.close()
     tracker.set_tags(
         run_id,
         {
@@ -179,7 +181,7 @@ def stage_sinks(
     if not config.callbacks:
         return recorded
     callbacks = [(ref, load_function(ref, "callbacks")) for ref in config.callbacks]
-    return FanoutSink(recorded, CallbackSink(callbacks, recorded, head, stop))
+    return CallbackSink(callbacks, recorded, head, stop)
 
 
 def guard_tags(config: Config, outcome: StageOutcome) -> dict[str, str]:

@@ -348,7 +348,8 @@ def register_policy(client: MlflowClient, run_name: str, round_index: int, sourc
     """Register round `round_index`'s final policy as a version of `<run>-policy`, pointing at
     its checkpoint (tags["rlflow.checkpoint_uri"]; no copy of the weights). Returns the version.
 
-    A continued run registers each round once: an existing version of the round is returned.
+    A continued run registers each round's policy once: an existing version of the round with the
+    same checkpoint manifest is returned.
     An MLflow server refuses a local path as a source (only its own artifact paths may be
     local), so for a local checkpoint under a server the source is the PPO run (`runs:/...`)
     and the checkpoint URI is in the tags either way.
@@ -359,8 +360,10 @@ def register_policy(client: MlflowClient, run_name: str, round_index: int, sourc
     except MlflowException as exc:
         if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
+    manifest = tags["rlflow.manifest_sha256"]
     for version in client.search_model_versions(f"name = {_quoted(name)}"):
-        if version.tags.get(TAG_ROUND) == str(round_index):
+        # A retrained round (a new manifest) gets a new version.
+        if version.tags.get(TAG_ROUND) == str(round_index) and version.tags.get("rlflow.manifest_sha256") == manifest:
             return version.version
     tags = {k: _clip(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags | {TAG_ROUND: str(round_index)}).items()}
     uri = tags["rlflow.checkpoint_uri"]

@@ -76,7 +76,32 @@ def test_callbacks_see_every_step_and_add_metrics():
     sink = CallbackSink([("m:f", reward_per_token), ("m:g", lambda e: None)], downstream, {"run": "r", "round": 2, "stage": "ppo"})
     sink.log_metrics({"critic/score/mean": 3.0, "response_length/mean": 12.0}, 7)
     assert seen == [("ppo", 7, {"critic/score/mean": 3.0, "response_length/mean": 12.0})]
-    assert downstream.metrics == [(7, {"custom/reward_per_token": 0.25})]
+    assert downstream.metrics == [
+        (7, {"critic/score/mean": 3.0, "response_length/mean": 12.0, "custom/reward_per_token": 0.25})
+    ]
+
+
+def reward_per_token(event):
+    return {"custom/reward_per_token": event.metrics["critic/score/mean"] / 4}
+
+
+def test_returned_metrics_reach_every_sink_once(small_assets, tmp_path, capsys):
+    """Through the task's own wiring (tasks/stages.py): console, MLflow stand-in and events.jsonl."""
+    from rlflow.tasks.stages import StageSpec, stage_sinks
+
+    tree = small_config_tree(small_assets, tmp_path, run={"name": "cb"})
+    tree["callbacks"] = ["test_progress:reward_per_token"]
+    config = build_config(tree, "test")
+    spec = StageSpec(stage="ppo", round_index=1, identity="i", identity_tree={}, parent_run_id="p")
+    mlflow_stand_in = RecordingSink()
+    sink = stage_sinks(config, spec, 10, mlflow_stand_in, StopRequest())
+    sink.log_metrics({"critic/score/mean": 2.0}, 3)
+    sink.close()
+    expected = {"critic/score/mean": 2.0, "custom/reward_per_token": 0.5}
+    assert mlflow_stand_in.metrics == [(3, expected)]
+    events = read_events(events_path(str(tmp_path), "cb"))
+    assert [(e["step"], e["custom/reward_per_token"]) for e in events] == [(3, 0.5)]
+    assert capsys.readouterr().out.count("[round 1 ppo] step 3") == 1
 
 
 def test_a_callback_cannot_change_the_metrics_or_return_garbage():
@@ -110,6 +135,8 @@ def test_the_bar_shows_step_tokens_reward_kl_and_eta():
     sink = ProgressSink("round 1 ppo", 4, stream)
     for step in (1, 2, 3, 4):
         sink.log_metrics({"perf/throughput": 1500.0 + step, "critic/score/mean": 0.5 * step, "actor/kl": 0.01}, step)
+    sink.close()
+    sink.close()  # twice is harmless (a finally after an early stop)
     out = stream.getvalue()
     assert "round 1 ppo" in out and "4/4" in out and "ETA" in out and "reward=2" in out and "kl=0.01" in out and "tok/s=1504" in out
     assert bar_values({"sft/loss": math.pi}) == "loss=3.142"

@@ -7,8 +7,9 @@ import yaml
 from conftest import small_config_tree
 from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.errors import ConfigError
+from rlflow.engine.secrets import redact
 from rlflow.flows.cli import main
-from rlflow.flows.deploy import check_rlhf_deployment, load_deployments
+from rlflow.flows.deploy import check_parameters, check_rlhf_deployment, load_deployments
 
 
 def write_config(path, tree):
@@ -37,9 +38,9 @@ def test_dry_run_prints_the_resolved_config_and_plan_without_a_model(tmp_path, s
 
 def test_status_reads_the_run_folder(tmp_path, small_assets, capsys):
     root = tmp_path / "runs"
-    tree = small_config_tree(small_assets, root, run={"name": "st", "rounds": 1})
+    tree = small_config_tree(small_assets, root, run={"name": "st", "rounds": 1, "storage_options": {"anon": False}})
     (root / "st").mkdir(parents=True)
-    (root / "st" / "config.yaml").write_text(yaml.safe_dump(tree))
+    (root / "st" / "config.yaml").write_text(yaml.safe_dump(redact(tree)))  # as the flow writes it
     sft = CheckpointStore(stage_prefix(str(root), "st", 0, "sft"))
     with sft.writer(40) as w:
         w.write_bytes("x", b"x")
@@ -78,6 +79,10 @@ def test_deploy_refuses_secrets_and_unnamed_runs(tmp_path, small_assets):
     leaky = write_config(tmp_path / "leaky.yaml", tree)
     with pytest.raises(ConfigError, match="holds secret value"):
         check_rlhf_deployment(deployment(leaky, ["run.name=n"]), tmp_path, tmp_path / "p")
+    watcher = {"name": "w", "parameters": {"inbox": "s3://b/inbox", "storage_options": {"secret": "abc"}}}
+    with pytest.raises(ConfigError, match="parameter\\(s\\) storage_options.secret would be stored by Prefect"):
+        check_parameters(watcher, tmp_path / "p")
+    check_parameters(watcher | {"parameters": {"inbox": "i", "storage_options": {"key": "prefect-secret:s3"}}}, tmp_path / "p")
 
 
 def test_the_shipped_prefect_yaml_passes_its_own_checks():
@@ -91,3 +96,30 @@ def test_the_shipped_prefect_yaml_passes_its_own_checks():
             check_rlhf_deployment(d, repo, repo / "prefect.yaml")
     with pytest.raises(ConfigError, match="no deployment named nope; deployments: demo-nightly"):
         load_deployments(repo / "prefect.yaml", ["nope"])
+
+
+class ListLogger:
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, message, *args):
+        self.lines.append(message % args)
+
+
+def test_a_continued_run_stays_in_the_mlflow_store_it_started_in(tmp_path, small_assets, monkeypatch):
+    from rlflow.engine.config import build_config
+    from rlflow.flows.rlhf import settle_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = tmp_path / "runs"
+    config = build_config(small_config_tree(small_assets, root, run={"name": "kept"}), "t")
+    logger = ListLogger()
+    first = settle_tracking_uri(config, logger)
+    assert first == f"sqlite:///{root.resolve()}/mlflow.db" and logger.lines == []
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")  # `make up` since the run started
+    assert settle_tracking_uri(config, logger) == first
+    assert "keeps its MLflow store" in logger.lines[-1]
+    explicit = build_config(small_config_tree(small_assets, root, run={"name": "kept"}, tracking={"uri": "http://x:5000"}), "t")
+    assert settle_tracking_uri(explicit, logger) == "http://x:5000" and "is not the store" in logger.lines[-1]
+    fresh = build_config(small_config_tree(small_assets, root, run={"name": "new"}), "t")
+    assert settle_tracking_uri(fresh, logger) == "http://127.0.0.1:5000"  # a new run goes where it is told

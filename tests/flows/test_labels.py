@@ -10,6 +10,7 @@ import yaml
 from conftest import small_config_tree
 from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.errors import ConfigError, DataError
+from rlflow.engine.secrets import redact
 from rlflow.flows.cli import main
 from rlflow.flows.labels import COLUMNS, import_labels, pair_id, read_labelled
 
@@ -81,10 +82,10 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, case):
 
 
 def make_run(root, small_assets, inbox):
-    tree = small_config_tree(small_assets, root, label={"human_inbox": inbox})
+    tree = small_config_tree(small_assets, root, label={"human_inbox": inbox}, data={"storage_options": {"anon": False}})
     tree["run"]["name"] = "r1"
     (root / "r1").mkdir(parents=True)
-    (root / "r1" / "config.yaml").write_text(yaml.safe_dump(tree))
+    (root / "r1" / "config.yaml").write_text(yaml.safe_dump(redact(tree)))  # as the flow writes it
 
 
 def test_import_puts_pairs_in_the_inbox_and_refuses_what_would_be_lost(tmp_path, small_assets, capsys):

@@ -32,8 +32,14 @@ def deployments_file(path, config_path, pool):
             {
                 "name": "nightly",
                 "entrypoint": "flows/deployment.py:rlhf_next_round",
-                "parameters": {"config_path": str(config_path), "overrides": ["run.name=nightly"]},
-                "work_pool": {"name": pool, "work_queue_name": "default"},
+                # Relative to the project (the repository), as in the shipped prefect.yaml.
+                "parameters": {"config_path": os.path.relpath(config_path, REPO), "overrides": ["run.name=nightly"]},
+                "work_pool": {
+                    "name": pool,
+                    "work_queue_name": "default",
+                    "job_variables": {"env": {"RLFLOW_PROJECT_DIR": "{{ $RLFLOW_PROJECT_DIR }}"}},
+                },
+                "concurrency_limit": {"limit": 1, "collision_strategy": "ENQUEUE"},
                 "schedules": [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}],
                 "triggers": [
                     {
@@ -60,7 +66,9 @@ def start_worker(pool, tmp_path, fault_marker):
     )
     log = open(tmp_path / "worker.log", "wb")
     cmd = [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool, "--type", "process"]
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+    # Started elsewhere than the project: the deployment's pull step must take each flow run there.
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+    return proc, log
 
 
 def wait_for_flow_run(client, deployment_id, not_in, timeout=300):
@@ -131,7 +139,7 @@ def test_deploy_trigger_label_round_trip_then_registry_compare_report_export(
     assert main(["deploy", "--file", str(deployments_file(tmp_path / "prefect.yaml", config_path, pool)), "--project", str(REPO)]) == 0
     assert f"work pool {pool}: created (process)" in capsys.readouterr().out
     deployment = prefect_client.read_deployment_by_name("rlhf-next-round/nightly")
-    assert deployment.parameters == {"config_path": str(config_path), "overrides": ["run.name=nightly"]}
+    assert deployment.parameters == {"config_path": os.path.relpath(config_path, REPO), "overrides": ["run.name=nightly"]}
     assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
     automations = prefect_client.read_automations_by_name("nightly__automation_1")
     assert automations and automations[0].trigger.expect == {"rlflow.labels.landed"}
@@ -174,7 +182,7 @@ def test_deploy_trigger_label_round_trip_then_registry_compare_report_export(
         log.close()
     rm = CheckpointStore(stage_prefix(str(root), "nightly", 1, "rm"))
     human = rm.final()["identity_tree"]["inputs"]["human"]
-    assert str(inbox / "nightly" / "round_0.jsonl") in human
+    assert human.startswith("round_0.jsonl@") and len(human) == len("round_0.jsonl@") + 64
 
     check_registry_compare_report_export(root, mlflow_server, tmp_path, capsys)
 
@@ -198,6 +206,8 @@ def check_registry_compare_report_export(root, mlflow_server, tmp_path, capsys):
         assert version.tags["rlflow.reward_model_run_id"] == children[(r, "rm")].info.run_id
         assert version.tags["rlflow.ppo_run_id"] == children[(r, "ppo")].info.run_id == version.run_id
         assert version.tags["rlflow.parent_run_id"] == parent.info.run_id
+        # A server refuses a local path as a source (tasks/tracking.py): the PPO run stands in.
+        assert version.source == f"runs:/{version.run_id}"
         assert len(version.tags["rlflow.data.preferences"]) == 64  # a sha256 of the data file
 
     png = tmp_path / "compare.png"

@@ -141,6 +141,10 @@ def test_two_rounds_end_to_end(prefect_server, small_assets, tmp_path):
 
     client, parents, children = mlflow_runs(root)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    # Each round's policy is a registry version whose source is its checkpoint (no copy).
+    versions = sorted(client.search_model_versions("name = 'e2e-policy'"), key=lambda v: int(v.version))
+    final_steps = [CheckpointStore(str(root / "e2e" / f"round_{r}" / "ppo")) for r in (0, 1)]
+    assert [v.source for v in versions] == [store.step_url(store.final()["step"]) for store in final_steps]
     assert set(children) == {
         ("0", "sft"),
         ("0", "rm"),

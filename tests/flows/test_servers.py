@@ -5,11 +5,15 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from conftest import _free_port
+import rlflow.flows.servers as servers_module
+from rlflow.flows.cli import configure_prefect_env
 from rlflow.flows.servers import Server, healthy, registered_urls, running_pid, start, status_lines, stop, write_registry
 
 
-def test_start_status_stop_touch_only_what_was_started(tmp_path, mlflow_server):
+def test_start_status_stop_touch_only_what_was_started(tmp_path, mlflow_server, monkeypatch):
     server = Server("mlflow", _free_port(), tmp_path)
     line = start(server, timeout_s=120)
     try:
@@ -18,13 +22,17 @@ def test_start_status_stop_touch_only_what_was_started(tmp_path, mlflow_server):
         assert urllib.request.urlopen(f"{server.url}/health", timeout=5).status == 200
         assert start(server).startswith("mlflow: already running")  # idempotent: no second process
         write_registry(tmp_path, [server])
-        os.environ["RLFLOW_MLFLOW_PORT"] = str(server.port)
-        try:
-            assert registered_urls(tmp_path) == {"mlflow": server.url}
-            status = "\n".join(status_lines(tmp_path))
-            assert f"pid {pid}" in status and "healthy" in status and f"MLFLOW_TRACKING_URI={server.url}" in status
-        finally:
-            del os.environ["RLFLOW_MLFLOW_PORT"]
+        assert registered_urls(tmp_path) == {"mlflow": server.url}  # the port comes from servers.json
+        status = "\n".join(status_lines(tmp_path))
+        assert f"pid {pid}" in status and "healthy" in status and f"MLFLOW_TRACKING_URI={server.url}" in status
+        # `rlflow run` reports to the servers `make up` started, unless the environment names others.
+        monkeypatch.setattr(servers_module, "STATE_DIR", tmp_path)
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        configure_prefect_env()
+        assert os.environ["MLFLOW_TRACKING_URI"] == server.url
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://elsewhere:5000")
+        configure_prefect_env()
+        assert os.environ["MLFLOW_TRACKING_URI"] == "http://elsewhere:5000"
     finally:
         assert stop(server) == f"mlflow: stopped (pid {pid})"
     assert not healthy(server) and not server.pid_file.exists()
@@ -51,8 +59,8 @@ def test_a_port_taken_by_another_server_is_refused(tmp_path, mlflow_server):
     port = int(mlflow_server.rsplit(":", 1)[1])
     server = Server("mlflow", port, tmp_path)
     try:
-        start(server)
-    except SystemExit as exc:
-        assert f"port {port} already answers" in str(exc) and "RLFLOW_MLFLOW_PORT" in str(exc)
-    else:
-        raise AssertionError("a second server on a busy port must be refused")
+        with pytest.raises(SystemExit) as info:
+            start(server)
+    finally:
+        stop(server)  # had it started after all, it must not outlive the test
+    assert f"port {port} already answers" in str(info.value) and "RLFLOW_MLFLOW_PORT" in str(info.value)
