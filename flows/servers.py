@@ -83,10 +83,15 @@ def servers(state_dir: Path | None = None) -> list[Server]:
 
 
 def _read_registry(state_dir: Path) -> dict[str, dict]:
+    """servers.json's {name: {"url", "port"}}; anything else in it (a hand edit, an older format)
+    is ignored: the ports then come from the environment."""
     try:
-        return json.loads((state_dir / "servers.json").read_text())
+        registry = json.loads((state_dir / "servers.json").read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(registry, dict):
+        return {}
+    return {name: entry for name, entry in registry.items() if isinstance(entry, dict)}
 
 
 def healthy(server: Server, timeout: float = 2.0) -> bool:
