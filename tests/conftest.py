@@ -108,17 +108,23 @@ def prefect_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
+def mlflow_server_process(tmp_path_factory):
     """A real `mlflow server` (sqlite backend, proxied artifacts, one worker) on a free port,
-    started and stopped by flows/servers.py as `make up` / `make down` do."""
+    started and stopped by flows/servers.py as `make up` / `make down` do; yields its Server."""
     from rlflow.flows.servers import Server, start, stop
 
     server = Server("mlflow", _free_port(), tmp_path_factory.mktemp("mlflow-server"))
     start(server, timeout_s=120)
     try:
-        yield server.url
+        yield server
     finally:
         stop(server)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(mlflow_server_process):
+    """The tracking URI of the session's MLflow server."""
+    return mlflow_server_process.url
 
 
 SMALL_SIZES = {"sft": 600, "sft_eval": 64, "prefs": 400, "prefs_eval": 128, "prompts": 128, "eval_prompts": 64}

@@ -130,7 +130,7 @@ def test_deploy_trigger_label_round_trip_then_registry_compare_report_export(
         label={"human_inbox": str(inbox), "online_from_round": None},
         tracking={"uri": mlflow_server},
         ppo={"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1, "max_new_tokens": 12, "stop_kl": None},
-        stage={"ppo": {"retries": 1, "retry_delay_s": 0, "hang_timeout_s": 8}},  # steps take < 1 s
+        stage={"ppo": {"retries": 1, "retry_delay_s": 0, "hang_timeout_s": 5}},  # steps take < 1 s
     )
     config_path = tmp_path / "nightly.yaml"
     config_path.write_text(yaml.safe_dump(tree))

@@ -1,4 +1,5 @@
-"""`make up` / `make down` / `make status` (flows/servers.py) against a real MLflow server."""
+"""`make up` / `make down` / `make status` (flows/servers.py): the session's real MLflow server
+(started through servers.start), and a stand-in process for stopping."""
 
 import os
 import subprocess
@@ -13,32 +14,68 @@ from rlflow.flows.cli import configure_prefect_env
 from rlflow.flows.servers import Server, healthy, registered_urls, running_pid, start, status_lines, stop, write_registry
 
 
-def test_start_status_stop_touch_only_what_was_started(tmp_path, mlflow_server, monkeypatch):
-    server = Server("mlflow", _free_port(), tmp_path)
-    line = start(server, timeout_s=120)
-    try:
-        pid = running_pid(server)
-        assert pid is not None and f"pid {pid}" in line and server.log_file.exists()
-        assert urllib.request.urlopen(f"{server.url}/health", timeout=5).status == 200
-        assert start(server).startswith("mlflow: already running")  # idempotent: no second process
-        write_registry(tmp_path, [server])
-        assert registered_urls(tmp_path) == {"mlflow": server.url}  # the port comes from servers.json
-        status = "\n".join(status_lines(tmp_path))
-        assert f"pid {pid}" in status and "healthy" in status and f"MLFLOW_TRACKING_URI={server.url}" in status
-        # `rlflow run` reports to the servers `make up` started, unless the environment names others.
-        monkeypatch.setattr(servers_module, "STATE_DIR", tmp_path)
-        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-        configure_prefect_env()
-        assert os.environ["MLFLOW_TRACKING_URI"] == server.url
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://elsewhere:5000")
-        configure_prefect_env()
-        assert os.environ["MLFLOW_TRACKING_URI"] == "http://elsewhere:5000"
-    finally:
-        assert stop(server) == f"mlflow: stopped (pid {pid})"
+def test_a_started_server_is_found_reported_and_not_started_twice(mlflow_server_process, monkeypatch):
+    """The session's MLflow server, started by servers.start as `make up` does."""
+    server = mlflow_server_process
+    pid = running_pid(server)
+    assert pid is not None and server.log_file.exists() and healthy(server)
+    assert start(server) == f"mlflow: already running (pid {pid}) at {server.ui_url}"  # no second process
+    write_registry(server.state_dir, [server])
+    assert registered_urls(server.state_dir) == {"mlflow": server.url}  # the port comes from servers.json
+    status = "\n".join(status_lines(server.state_dir))
+    assert f"pid {pid}" in status and "healthy" in status and f"MLFLOW_TRACKING_URI={server.url}" in status
+    assert "prefect  stopped" in status
+    # `rlflow run` reports to the servers `make up` started, unless the environment names others.
+    monkeypatch.setattr(servers_module, "STATE_DIR", server.state_dir)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    configure_prefect_env()
+    assert os.environ["MLFLOW_TRACKING_URI"] == server.url
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://elsewhere:5000")
+    configure_prefect_env()
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://elsewhere:5000"
+
+
+class StandIn(Server):
+    """A server process that costs nothing to start (a second MLflow takes ~8 s): Python's HTTP
+    server, answering /health from a file, in its own process group with a child process."""
+
+    def command(self):
+        root = self.state_dir / "www"
+        root.mkdir(exist_ok=True)
+        (root / "health").write_text("ok")
+        # It keeps a child process: `down` must stop the whole group, not just the leader.
+        code = "import subprocess, sys; subprocess.Popen(['sleep', '300']); import http.server, functools; "
+        code += f"http.server.ThreadingHTTPServer(('127.0.0.1', {self.port}), "
+        code += f"functools.partial(http.server.SimpleHTTPRequestHandler, directory={str(root)!r})).serve_forever()"
+        return [sys.executable, "-c", code, "rlflow-stand-in"], {}
+
+
+def test_stop_ends_the_whole_process_group_and_only_it(tmp_path, mlflow_server):
+    server = StandIn("mlflow", _free_port(), tmp_path)
+    line = start(server, timeout_s=30)
+    pid = running_pid(server)
+    assert pid is not None and f"started (pid {pid})" in line
+    group = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pid]
+    assert len(group) >= 2  # the server and its child
+    assert stop(server) == f"mlflow: stopped (pid {pid})"
     assert not healthy(server) and not server.pid_file.exists()
-    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
-    # The session's own server (another state folder) was not touched.
-    assert urllib.request.urlopen(f"{mlflow_server}/health", timeout=5).status == 200
+    assert [p for p in group if _alive(int(p))] == []
+    assert stop(server) == "mlflow: not running"
+    assert urllib.request.urlopen(f"{mlflow_server}/health", timeout=5).status == 200  # another state folder
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_recycled_pid_is_never_signalled(tmp_path):
