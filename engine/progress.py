@@ -31,7 +31,9 @@ BAR_FIELDS = {
 }
 
 
-def console_sink(label: str, total_steps: int | None, keys: tuple[str, ...], stream: TextIO | None = None) -> MetricsSink:
+def console_sink(
+    label: str, total_steps: int | None, keys: tuple[str, ...], stream: TextIO | None = None
+) -> MetricsSink:
     """A live bar on a terminal; one line per logged step when quiet, piped or logged to a file."""
     stream = stream or sys.stdout
     if total_steps and not os.environ.get(QUIET_ENV) and stream.isatty():
@@ -202,7 +204,9 @@ class CallbackSink(NullSink):
         self.downstream.log_metrics(metrics | extra, step)
 
     def _call_all(self, metrics: dict[str, float], step: int) -> dict[str, float]:
-        event = StepEvent(self.head["run"], self.head["round"], self.head["stage"], step, MappingProxyType(dict(metrics)))
+        event = StepEvent(
+            self.head["run"], self.head["round"], self.head["stage"], step, MappingProxyType(dict(metrics))
+        )
         extra: dict[str, float] = {}
         for ref, fn in self.callbacks:
             try:
@@ -234,4 +238,11 @@ class CallbackSink(NullSink):
             ) from exc
         if self.stop.reason is None:
             self.stop.reason, self.stop.step = f"{ref}: {exc}", step
-            log.warning("round %s %s: %s asked to stop after step %d: %s", self.head["round"], self.head["stage"], ref, step, exc)
+            log.warning(
+                "round %s %s: %s asked to stop after step %d: %s",
+                self.head["round"],
+                self.head["stage"],
+                ref,
+                step,
+                exc,
+            )

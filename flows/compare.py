@@ -65,7 +65,9 @@ def collect(client: Any, experiment: str, run_names: list[str]) -> tuple[dict[st
             stage = child.data.tags["rlflow.stage"]
             rec.children[stage] = child.info.run_id
             if child.info.end_time and child.info.start_time:
-                rec.values["seconds"] = rec.values.get("seconds", 0.0) + (child.info.end_time - child.info.start_time) / 1e3
+                rec.values["seconds"] = (
+                    rec.values.get("seconds", 0.0) + (child.info.end_time - child.info.start_time) / 1e3
+                )
         for rec in sorted(by_round.values(), key=lambda x: x.round_index):
             _fill(client, rec)
             records.append(rec)

@@ -137,9 +137,13 @@ def command_deploy(args: argparse.Namespace) -> int:
     if not os.environ.get("PREFECT_API_URL"):
         raise ConfigError("deployments need a Prefect server: `make up`, or set PREFECT_API_URL")
     pool_types = dict(item.split("=", 1) for item in args.pool_type)
-    for line in deploy(Path(args.file), Path(args.project), args.name or None, {"rlflow-gpu": "kubernetes"} | pool_types):
+    for line in deploy(
+        Path(args.file), Path(args.project), args.name or None, {"rlflow-gpu": "kubernetes"} | pool_types
+    ):
         print(line)
-    print(f"start a worker: prefect worker start --pool rlflow-cpu   (UI: {os.environ['PREFECT_API_URL'][:-4]}/deployments)")
+    print(
+        f"start a worker: prefect worker start --pool rlflow-cpu   (UI: {os.environ['PREFECT_API_URL'][:-4]}/deployments)"
+    )
     return 0
 
 

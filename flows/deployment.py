@@ -64,7 +64,9 @@ def rlhf_next_round(config_path: str, overrides: list[str] | None = None) -> dic
     are skipped (cached), the first missing one runs. A first call runs round 0."""
     config = load_config(config_path, overrides or [])
     if config.run.name is None:
-        raise ConfigError(f"{config_path}: a deployment continues one run: set run.name (e.g. overrides: [run.name=nightly])")
+        raise ConfigError(
+            f"{config_path}: a deployment continues one run: set run.name (e.g. overrides: [run.name=nightly])"
+        )
     target = rounds_done(config) + 1
     config = config.model_copy(update={"run": config.run.model_copy(update={"rounds": target})})
     get_run_logger().info("run '%s': round %d of a deployment", config.run.name, target - 1)

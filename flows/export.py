@@ -35,10 +35,14 @@ def command_export(args: argparse.Namespace) -> int:
     from rlflow.engine.export import ModelCard, export_policy
 
     config = load_run_config(args.root, args.run)
-    store = CheckpointStore(stage_prefix(config.run.root, config.run.name, args.round, "ppo"), config.run.storage_options)
+    store = CheckpointStore(
+        stage_prefix(config.run.root, config.run.name, args.round, "ppo"), config.run.storage_options
+    )
     final = store.final()
     if final is None:
-        raise ConfigError(f"round {args.round} of run '{args.run}' has no final policy ({store.url}); see `rlflow status`")
+        raise ConfigError(
+            f"round {args.round} of run '{args.run}' has no final policy ({store.url}); see `rlflow status`"
+        )
     summary = read_run_file(args.root, args.run, "summary.json", config.run.storage_options)
     rows = json.loads(summary)["rounds"] if summary else []
     card = ModelCard(
@@ -50,7 +54,11 @@ def command_export(args: argparse.Namespace) -> int:
         lineage=lineage_of(config, args.round),
         evaluation=[{k: row.get(k) for k in EVAL_COLUMNS} for row in rows if row["round"] <= args.round],
     )
-    sampling = {"temperature": config.ppo.temperature, "top_p": config.ppo.top_p, "max_new_tokens": config.ppo.max_new_tokens}
+    sampling = {
+        "temperature": config.ppo.temperature,
+        "top_p": config.ppo.top_p,
+        "max_new_tokens": config.ppo.max_new_tokens,
+    }
     result = export_policy(
         card.step_uri, config.run.storage_options, args.to, {}, card, sampling=sampling, overwrite=args.overwrite
     )

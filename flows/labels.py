@@ -30,7 +30,9 @@ CHOICES = {"a": "A", "1": "A", "b": "B", "2": "B", "tie": None, "": None}
 
 def round_policy(config: Config, round_index: int) -> str:
     """The local model directory of round `round_index`'s final (PPO) policy."""
-    store = CheckpointStore(stage_prefix(config.run.root, config.run.name, round_index, "ppo"), config.run.storage_options)
+    store = CheckpointStore(
+        stage_prefix(config.run.root, config.run.name, round_index, "ppo"), config.run.storage_options
+    )
     final = store.final()
     if final is None:
         raise ConfigError(
@@ -60,7 +62,15 @@ def export_candidates(root: str, run_name: str, round_index: int, out_dir: Path,
         round_index,
     )
     rows = [
-        dict(id=pair_id(rec.prompt, a, b), run=run_name, round=round_index, prompt=rec.prompt, answer_a=a, answer_b=b, choice="")
+        dict(
+            id=pair_id(rec.prompt, a, b),
+            run=run_name,
+            round=round_index,
+            prompt=rec.prompt,
+            answer_a=a,
+            answer_b=b,
+            choice="",
+        )
         for rec, a, b in triples
         if a.strip() and b.strip() and a != b  # identical answers give raters nothing to choose
     ]
@@ -72,7 +82,9 @@ def export_candidates(root: str, run_name: str, round_index: int, out_dir: Path,
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for row in rows:  # a chat prompt (a list of turns) is one JSON cell
-            writer.writerow(row | {"prompt": row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"])})
+            writer.writerow(
+                row | {"prompt": row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"])}
+            )
     return [jsonl, table]
 
 
@@ -91,7 +103,9 @@ def _rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         reader = csv.DictReader(io.StringIO(text))
         missing = [c for c in ("prompt", "answer_a", "answer_b", "choice") if c not in (reader.fieldnames or [])]
         if missing:
-            raise DataError(f"{path}:1: missing column(s) {', '.join(missing)}; export a file with `rlflow label export`")
+            raise DataError(
+                f"{path}:1: missing column(s) {', '.join(missing)}; export a file with `rlflow label export`"
+            )
         return [(reader.line_num, dict(row)) for row in reader]
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: expected a .jsonl or .csv file from `rlflow label export`")

@@ -25,7 +25,9 @@ td.r{max-width:520px;font-family:ui-monospace,monospace;font-size:12px}
 
 def sample_rows(config: Config, round_index: int, n: int = 12) -> list[dict[str, Any]]:
     """The round's evaluation samples of its final policy (prompt, response, gold and RM score)."""
-    store = CheckpointStore(stage_prefix(config.run.root, config.run.name, round_index, "eval"), config.run.storage_options)
+    store = CheckpointStore(
+        stage_prefix(config.run.root, config.run.name, round_index, "eval"), config.run.storage_options
+    )
     final = store.final()
     if final is None:
         return []

@@ -140,7 +140,11 @@ def run_round(
         sft = policy = run_stage(sft_task, c, spec, _uri(policy))
     if c.label.online_from_round is not None and r >= c.label.online_from_round:
         spec = planner.spec(
-            "label", r, {"label": c.label.model_dump(exclude={"human_inbox"}), "ppo_sampling": _sampling(c)}, {"policy": _input_id(policy)}, ("prompts",)
+            "label",
+            r,
+            {"label": c.label.model_dump(exclude={"human_inbox"}), "ppo_sampling": _sampling(c)},
+            {"policy": _input_id(policy)},
+            ("prompts",),
         )
         labels.append(run_stage(label_task, c, spec, _uri(policy)))  # the reward model trains on the union
     rm_init = sft if c.rm.init == "sft" else c.rm.init
@@ -339,7 +343,9 @@ def settle_tracking_uri(cfg: Config, logger: Any) -> str:
         return recorded
     logger.warning(
         "tracking.uri %s is not the store run '%s' started in (%s): its earlier rounds are not there",
-        shown_url(resolved), cfg.run.name, recorded,
+        shown_url(resolved),
+        cfg.run.name,
+        recorded,
     )
     return resolved
 
@@ -372,7 +378,9 @@ def run_rounds(
         started = time.monotonic()
         policy, sft, rm, row = run_round(cfg, planner, r, policy, sft, labels)
         rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
-        version = register_policy(tracker.client, cfg.run.name, r, policy.mlflow_run_id, lineage_tags(planner, policy, rm))
+        version = register_policy(
+            tracker.client, cfg.run.name, r, policy.mlflow_run_id, lineage_tags(planner, policy, rm)
+        )
         logger.info("round %d policy: version %s of MLflow model '%s'", r, version, registered_model_name(cfg.run.name))
         url = write_summary(cfg, rows)
         logger.info(

@@ -65,7 +65,12 @@ class Server:
             return [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], env
         # One worker and no job runner: the defaults take 3.4 GB of memory (MACHINE-NOTES).
         argv = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        argv += ["--backend-store-uri", f"sqlite:///{data}/mlflow.db", "--artifacts-destination", str(data / "artifacts")]
+        argv += [
+            "--backend-store-uri",
+            f"sqlite:///{data}/mlflow.db",
+            "--artifacts-destination",
+            str(data / "artifacts"),
+        ]
         return argv, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 

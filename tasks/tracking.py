@@ -344,7 +344,9 @@ def registered_model_name(run_name: str) -> str:
     return f"{run_name}-policy"
 
 
-def register_policy(client: MlflowClient, run_name: str, round_index: int, source_run_id: str, tags: dict[str, str]) -> str:
+def register_policy(
+    client: MlflowClient, run_name: str, round_index: int, source_run_id: str, tags: dict[str, str]
+) -> str:
     """Register round `round_index`'s final policy as a version of `<run>-policy`, pointing at
     its checkpoint (tags["rlflow.checkpoint_uri"]; no copy of the weights). Returns the version.
 
