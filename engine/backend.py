@@ -24,7 +24,7 @@ from rlflow.engine import dist
 from rlflow.engine.batching import micro_batch_groups
 from rlflow.engine.config import EngineConfig
 from rlflow.engine.optim_state import ParamState, ShardReader
-from rlflow.engine.train_state import make_optimizer, make_schedule
+from rlflow.engine.train_state import adam_step_tensor, make_optimizer, make_schedule
 from torch import nn
 
 
@@ -176,7 +176,7 @@ class TorchTrainEngine(TrainEngine):
         param, state = self._params[name], reader.get(name)
         param.copy_(state.master.to(param.dtype))
         self.optimizer.state[param] = {
-            "step": torch.tensor(float(self._pending_step)),
+            "step": adam_step_tensor(self._pending_step, param),
             "exp_avg": state.exp_avg.to(param.dtype).clone(),
             "exp_avg_sq": state.exp_avg_sq.to(param.dtype).clone(),
         }

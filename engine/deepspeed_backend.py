@@ -21,7 +21,7 @@ from rlflow.engine.errors import NonFiniteUpdates
 from rlflow.engine.backend import OptimSpec, Runtime, TrainEngine
 from rlflow.engine.config import EngineConfig
 from rlflow.engine.optim_state import MOMENTS, ParamState, ShardReader
-from rlflow.engine.train_state import make_optimizer, make_schedule
+from rlflow.engine.train_state import adam_step_tensor, make_optimizer, make_schedule
 from torch import nn
 
 
@@ -122,7 +122,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             flats = [flat for group in self.engine.optimizer.optimizer.param_groups for flat in group["params"]]
         for flat in flats:
             state[flat] = {
-                "step": torch.tensor(float(step)),
+                "step": adam_step_tensor(step, flat),
                 "exp_avg": torch.zeros_like(flat),
                 "exp_avg_sq": torch.zeros_like(flat),
             }
@@ -219,7 +219,7 @@ class DeepSpeedRuntime(Runtime):
 
         config = ds_config(self.cfg, optim.max_grad_norm, self.bf16, train=True)
         model = self._prepare(self._load(load, config))
-        optimizer = make_optimizer(model, optim.lr, optim.weight_decay)
+        optimizer = make_optimizer(model, optim.lr, optim.weight_decay, fuse=False)  # steps flat partitions
         engine, _, _, schedule = deepspeed.initialize(
             model=model,
             optimizer=optimizer,

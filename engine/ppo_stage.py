@@ -21,7 +21,8 @@ from rlflow.engine.breaker import Breach, PPOGuards, PPOSafety, paused_outcome
 from rlflow.engine.errors import RewardSourceError
 from rlflow.engine.rollout_service import RolloutService
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_kwargs
-from rlflow.engine.ppo import PPOModels, make_controller, ppo_step, run_evaluation
+from rlflow.engine.experience import PPOModels
+from rlflow.engine.ppo import make_controller, ppo_step, run_evaluation
 from rlflow.engine.stage_guard import StageGuard
 from rlflow.engine.stage import (
     StageContext,

@@ -13,6 +13,7 @@ from rlflow.engine.data import load_preference_pairs, load_sft_examples
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer
 from rlflow.engine.reward_model import _pair_rows, rm_train_step
 from rlflow.engine.sft import sft_train_step
+from conftest import assert_weights_agree
 from test_sft_rm import make_ctx
 
 TOLERANCE = 1e-5
@@ -53,15 +54,13 @@ def rm_step(sft_dir, rm_dir, assets, tmp_path, engine_cfg):
 
 def assert_same_step(reference, variant, loss_key, weights_too=True):
     """Same loss and gradient norm; same updated weights unless the kernels themselves differ
-    (AdamW's first step is ~lr * sign(grad), so 1e-7 kernel rounding in a near-zero gradient
-    can move a weight by more than the tolerance)."""
+    (conftest.assert_weights_agree: rounding in a near-zero gradient can move single weights)."""
     (ref_out, ref_weights), (out, weights) = reference, variant
     assert out[loss_key] == pytest.approx(ref_out[loss_key], abs=TOLERANCE)
     grad_key = loss_key.split("/")[0] + "/grad_norm"
     assert out[grad_key] == pytest.approx(ref_out[grad_key], rel=TOLERANCE)
     if weights_too:
-        worst = max((weights[k] - v).abs().max().item() for k, v in ref_weights.items())
-        assert worst <= TOLERANCE, f"weights differ by {worst:.2e}"
+        assert_weights_agree(ref_weights, weights, TOLERANCE)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from conftest import small_config_tree
+from conftest import assert_weights_agree, small_config_tree
 from rlflow.engine.algos import logprobs_from_logits
-from rlflow.engine.config import build_config
+from rlflow.engine.config import EngineConfig, build_config
 from rlflow.engine.evaluation import ScoringModels, encode_prompt_set, evaluate_policy
 from rlflow.engine.data import load_prompts
 from rlflow.engine.backend import Runtime
 from rlflow.engine.models import load_policy, load_tokenizer, token_logprobs
-from rlflow.engine.ppo import make_controller, ppo_step
+from rlflow.engine.ppo import make_controller, ppo_step, single_pass_possible
 from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models, run_ppo_stage
 from rlflow.engine.rollout import SamplingParams, batched_logprobs, generate_rollouts
 from test_sft_rm import RecordingSink, make_ctx
@@ -200,3 +200,41 @@ def test_critic_warmup_updates_only_the_critic(trained, small_assets, tmp_path):
     after = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 2, 32)
     assert "actor/pg_loss" in after
     assert not all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())
+
+
+def test_single_pass_update_equals_scoring_then_updating(trained, small_assets, tmp_path):
+    """One epoch over one mini-batch: the update's own forwards stand in for the old-log-prob and
+    value passes. Against the same step with the passes (forced by two micro-batches): the same
+    draw, the same metrics, the same weights after the step."""
+    cfg = build_config(
+        small_config_tree(small_assets, tmp_path, ppo={"rollout_batch": 16, "mini_batch": 16, "epochs": 1}), "t"
+    )
+    sft_dir, rm_dir, norm = trained
+    runs = {}
+    for micro in (None, 8):
+        models = load_ppo_models(
+            PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir),
+            cfg.model,
+            cfg.ppo,
+            boom,
+            Runtime(EngineConfig(micro_batch_size=micro)),
+        )
+        assert single_pass_possible(models, cfg.ppo, update_actor=True) == (micro is None)
+        prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
+        metrics = ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, 16)
+        runs[micro] = metrics, models.actor.model.state_dict(), models.critic.model.state_dict()
+    (single, actor_1, critic_1), (split, actor_2, critic_2) = runs[None], runs[8]
+    assert "timing_s/old_logprobs" not in single and split["timing_s/old_logprobs"] > 0
+    assert single["rollout/response_ids_crc32"] == split["rollout/response_ids_crc32"]
+    assert single["actor/ppo_kl"] == 0.0 and abs(split["actor/ppo_kl"]) < 1e-6  # ratio 1 at the first update
+    for key in (
+        "actor/kl",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "critic/vf_loss",
+        "critic/grad_norm",
+        "critic/values/mean",
+    ):
+        assert single[key] == pytest.approx(split[key], rel=1e-4, abs=1e-6), key
+    assert_weights_agree(actor_1, actor_2, 1e-5)
+    assert_weights_agree(critic_1, critic_2, 1e-5)

@@ -19,7 +19,8 @@ from rlflow.engine.config import EngineConfig, build_config
 from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
 from rlflow.engine.evaluation import encode_prompt_set
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer
-from rlflow.engine.ppo import make_controller, make_experience, ppo_step
+from rlflow.engine.experience import make_experience
+from rlflow.engine.ppo import make_controller, ppo_step
 from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
 from rlflow.engine.reward_model import _pair_rows, rm_train_step
 from rlflow.engine.sft import sft_train_step

@@ -1,0 +1,271 @@
+"""From sampled responses to PPO experience: the timed scoring passes over each sampled chunk,
+then the pure assembly of KL-penalised token rewards, GAE advantages and returns.
+
+Scoring runs per chunk of `rollout.generate_batch` prompts, right after that chunk is sampled; the
+policy's own log-probs and the critic's values can be left to the update (`from_update`), when
+its first forward runs on exactly the weights that sampled (engine/ppo.py, single_pass_update).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from rlflow.engine import dist
+from rlflow.engine.algos import (
+    compute_gae_advantages,
+    compute_token_rewards,
+    explained_variance,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+)
+from rlflow.engine.backend import Runtime, TrainEngine
+from rlflow.engine.config import PPOConfig
+from rlflow.engine.evaluation import ScoringModels, normalised_scores
+from rlflow.engine.faults import fault_point
+from rlflow.engine.rollout import (
+    RolloutBatch,
+    SamplingParams,
+    batched_logprobs,
+    batched_values,
+    generate_rollouts,
+    merge_rollouts,
+    pad_responses,
+)
+from rlflow.engine.rollout_service import RolloutService
+from rlflow.engine.train_state import step_seed
+
+if TYPE_CHECKING:
+    from rlflow.engine.data import PromptRecord
+    from rlflow.engine.reward_source import RewardSource
+
+T = TypeVar("T")
+
+
+@dataclass
+class PPOModels:
+    actor: TrainEngine
+    critic: TrainEngine
+    tokenizer: Any
+    scoring: ScoringModels  # reward model, reference, SFT policy, gold (evaluation only)
+    runtime: Runtime
+    rollout: RolloutService | None = None  # rollout.mode=server: samples come from a worker process
+    reward: RewardSource | None = None  # None: the reward model alone (no failure handling, as in evaluation)
+
+
+@dataclass(frozen=True)
+class ScoredRollout:
+    """A sampled batch with what the frozen models said about it. B rows, R response tokens."""
+
+    batch: RolloutBatch
+    ref_logprobs: torch.Tensor  # [B, R] reference log-probs
+    scores: torch.Tensor  # [B] normalised reward-model (or fallback rule) scores
+    old_logprobs: torch.Tensor | None  # [B, R] policy log-probs at sampling time; None: the update computes them
+    values: torch.Tensor | None  # [B, R] critic values at sampling time; None: the update computes them
+
+
+@dataclass(frozen=True)
+class Experience:
+    """A scored rollout, ready for updates. B rows, R response tokens."""
+
+    batch: RolloutBatch
+    old_logprobs: torch.Tensor  # [B, R] policy log-probs at sampling time
+    ref_logprobs: torch.Tensor  # [B, R] reference log-probs
+    values: torch.Tensor  # [B, R] critic values at sampling time
+    scores: torch.Tensor  # [B] normalised reward-model scores
+    token_rewards: torch.Tensor  # [B, R] -kl_coef * KL per token, + score at the last token
+    advantages: torch.Tensor  # [B, R] GAE, whitened over response tokens if configured
+    returns: torch.Tensor  # [B, R] GAE returns (critic targets)
+
+
+def sampling_params(cfg: PPOConfig) -> SamplingParams:
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
+
+
+def timed(timings: dict[str, float], key: str, fn: Callable[[], T]) -> T:
+    """fn(), its wall seconds added to timings[key] (phases repeat per chunk and micro-batch)."""
+    started = time.monotonic()
+    out = fn()
+    timings[key] = timings.get(key, 0.0) + time.monotonic() - started
+    return out
+
+
+@torch.no_grad()
+def _score_chunk(
+    models: PPOModels, cfg: PPOConfig, batch: RolloutBatch, step: int, timings: dict[str, float], from_update: bool
+) -> list[torch.Tensor | None]:
+    """[old_logprobs, ref_logprobs, values] ([b, R] each, the first and last None if `from_update`)
+    and normalised scores [b] of one chunk."""
+    rows, scoring = batch.input_ids.shape[0], models.scoring
+    reward = models.reward
+    old = (
+        None
+        if from_update
+        else timed(
+            timings,
+            "timing_s/old_logprobs",
+            lambda: batched_logprobs(models.actor.forward, batch, cfg.temperature, rows),
+        )
+    )
+    ref = timed(timings, "timing_s/ref", lambda: batched_logprobs(scoring.reference, batch, cfg.temperature, rows))
+    values = (
+        None
+        if from_update
+        else timed(timings, "timing_s/values", lambda: batched_values(models.critic.forward, batch, rows))
+    )
+    scores = timed(
+        timings,
+        "timing_s/reward",
+        lambda: (
+            reward.model_scores(batch, rows, step)
+            if reward is not None
+            else normalised_scores(scoring.reward_model, batch, scoring.score_norm, rows)
+        ),
+    )
+    return [old, ref, values, scores]
+
+
+def _gather_rollout(local: RolloutBatch, n: int, generate_batch: int, pad: int) -> RolloutBatch:
+    """Every rank's chunks, in global order, prompts re-left-padded to the widest."""
+    width = local.prompt_width
+
+    def gather(t: torch.Tensor, value: float = 0.0, left: bool = False) -> torch.Tensor:
+        return dist.gather_chunked(t, n, generate_batch, value, left)
+
+    input_ids = torch.cat([gather(local.input_ids[:, :width], pad, True), gather(local.response_ids, pad)], 1)
+    attention = torch.cat(
+        [gather(local.attention_mask[:, :width], 0, True), gather(local.attention_mask[:, width:])], 1
+    )
+    response_mask = gather(local.response_mask)
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_mask=response_mask,
+        prompt_width=input_ids.shape[1] - response_mask.shape[1],
+        response_texts=tuple(dist.gather_chunked_list(local.response_texts, n, generate_batch)),
+    )
+
+
+def sample_and_score(
+    models: PPOModels,
+    cfg: PPOConfig,
+    prompts: list[tuple[int, ...]],
+    seed: int,
+    timings: dict[str, float],
+    generate_batch: int,
+    step: int = 0,
+    records: Sequence[PromptRecord] | None = None,
+    from_update: bool = False,
+) -> ScoredRollout:
+    """Sample and score one batch. Never calls the gold function: PPO sees only the reward model.
+
+    Prompts are sampled in chunks of `generate_batch`, chunk c seeded from (seed, c) and handled
+    by rank c % world_size; every rank then holds the whole batch in global order, so the draw
+    and everything after it are the same for any number of processes. Adds timing_s/gen, /ref,
+    /reward and (unless `from_update`) /old_logprobs and /values.
+    """
+    pad, params = models.tokenizer.pad_token_id, sampling_params(cfg)
+    served: dict[int, RolloutBatch] | None = None
+    if models.rollout is not None:
+        n_chunks = -(-len(prompts) // generate_batch)
+        spans = [
+            (c, prompts[c * generate_batch : (c + 1) * generate_batch], step_seed(seed, c)) for c in range(n_chunks)
+        ]
+        served = timed(timings, "timing_s/gen", lambda: models.rollout.sample_chunks(spans, params))
+    batches, scored, checks = [], [], []
+    frozen = (models.scoring.reference, models.scoring.reward_model)
+    with models.runtime.inference(), models.runtime.onloaded(*frozen):
+        for c, real in dist.rank_chunks(len(prompts), generate_batch):
+            if served is not None:
+                batch = served[c]
+            else:
+                chunk = prompts[c * generate_batch : (c + 1) * generate_batch]
+                kwargs = models.runtime.generate_kwargs()
+                batch = timed(
+                    timings,
+                    "timing_s/gen",
+                    lambda: generate_rollouts(
+                        models.actor.model, models.tokenizer, chunk, params, step_seed(seed, c), **kwargs
+                    ),
+                )
+            parts = _score_chunk(models, cfg, batch, step, timings, from_update)
+            if real:
+                batches.append(batch)
+                scored.append(parts)
+                if models.rollout is not None:  # PPO's old log-probs double as the weight-sync probe
+                    checks.append(models.rollout.check(c, parts[0], batch.response_mask))
+            fault_point("ppo", "rollout", step)
+        if models.reward is not None:  # a failed reward source raises here, on every rank alike
+            models.reward.settle()
+    if models.rollout is not None:
+        timings.update(models.rollout.metrics(checks))
+    n = len(prompts)
+    batch = _gather_rollout(merge_rollouts(batches, pad), n, generate_batch, pad)
+
+    def gathered(i: int) -> torch.Tensor | None:
+        if from_update and i in (0, 2):
+            return None
+        parts = [s[i] for s in scored]
+        return dist.gather_chunked(pad_responses(parts) if i < 3 else torch.cat(parts), n, generate_batch, 0.0, False)
+
+    scores = gathered(3)
+    if models.reward is not None:  # records: the prompts' rows, for a fallback rule reward
+        scores = models.reward.final_scores(scores, records, batch.response_texts)
+    return ScoredRollout(batch, gathered(1), scores, gathered(0), gathered(2))
+
+
+def assemble_experience(
+    rollout: ScoredRollout, old_logprobs: torch.Tensor, values: torch.Tensor, kl_coef: float, cfg: PPOConfig
+) -> Experience:
+    """KL-penalised token rewards, GAE advantages (whitened if configured) and returns.
+
+    old_logprobs, values: [B, R] at sampling time (masked); the rollout's own, or the update's."""
+    mask = rollout.batch.response_mask
+    kl = kl_penalty(old_logprobs, rollout.ref_logprobs, cfg.kl.estimator) * mask
+    rewards = compute_token_rewards(rollout.scores, kl, mask, kl_coef)
+    advantages, returns = compute_gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
+        advantages = masked_whiten(advantages, mask)
+    return Experience(
+        rollout.batch, old_logprobs, rollout.ref_logprobs, values, rollout.scores, rewards, advantages, returns
+    )
+
+
+def make_experience(
+    models: PPOModels,
+    cfg: PPOConfig,
+    prompts: list[tuple[int, ...]],
+    kl_coef: float,
+    seed: int,
+    timings: dict[str, float],
+    generate_batch: int,
+    step: int = 0,
+    records: Sequence[PromptRecord] | None = None,
+) -> Experience:
+    """Sample, score with all four models, and assemble (see sample_and_score)."""
+    rollout = sample_and_score(models, cfg, prompts, seed, timings, generate_batch, step, records)
+    return assemble_experience(rollout, rollout.old_logprobs, rollout.values, kl_coef, cfg)
+
+
+def experience_metrics(exp: Experience, kl_coef: float) -> dict[str, float]:
+    mask = exp.batch.response_mask
+    return {
+        "actor/kl": float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k3"), mask)),
+        "actor/kl_coef": kl_coef,
+        "critic/score/mean": float(exp.scores.mean()),
+        "critic/score/max": float(exp.scores.max()),
+        "critic/score/min": float(exp.scores.min()),
+        "critic/rewards/mean": float(masked_mean(exp.token_rewards, mask)),
+        "critic/advantages/mean": float(masked_mean(exp.advantages, mask)),
+        "critic/returns/mean": float(masked_mean(exp.returns, mask)),
+        "critic/values/mean": float(masked_mean(exp.values, mask)),
+        "critic/vf_explained_var": float(explained_variance(exp.values, exp.returns, mask)),
+        "response_length/mean": float(mask.sum(1).mean()),
+        # Which tokens were drawn, exactly: equal checksums across runs mean identical samples.
+        "rollout/response_ids_crc32": float(zlib.crc32((exp.batch.response_ids * mask.long()).numpy().tobytes())),
+    }
