@@ -296,6 +296,9 @@ class ResourcesConfig(Section):
     master_addr: str = "127.0.0.1"
     master_port: int | None = Field(None, ge=1, le=65535)  # None: a free port
     launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    # The accelerator type, a device name of configs/prices.yaml (e.g. a100-80g); read only by
+    # `rlflow estimate` (None: this machine's CPU). Not part of any stage's identity.
+    gpu_type: str | None = None
 
     @property
     def world_size(self) -> int:

@@ -136,7 +136,7 @@ def command_demo_assets(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlflow.flows import compare, deploy, doctor, export, labels
+    from rlflow.flows import compare, deploy, doctor, estimate, export, labels, probe
 
     parser = argparse.ArgumentParser(
         prog="rlflow", description="RLHF as a Prefect flow: SFT -> reward model -> PPO rounds."
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run", help="run.name")
     status.add_argument("--root", default="runs", help="run.root of the run (default: runs)")
     status.set_defaults(handler=command_status)
-    for module in (compare, deploy, labels, export, doctor):
+    for module in (compare, deploy, labels, export, doctor, estimate, probe):
         module.add_parser(sub)
     assets = sub.add_parser("demo-assets", help="write the demo data, tokenizer and tiny model")
     assets.add_argument("dir", nargs="?", default="demo_assets")

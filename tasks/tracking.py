@@ -273,6 +273,12 @@ class RunTracker(_ClientHolder):
         for chunk in _chunks(new, MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, params=list(chunk))
 
+    def probe_run(self, name: str, params: dict[str, Any]) -> str:
+        """A new run for one `rlflow probe` (tag rlflow.kind=probe, beside the pipelines' runs)."""
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={TAG_RUN_NAME: name, TAG_KIND: "probe"})
+        self._log_params(run.info.run_id, flatten(redact(params)), {})
+        return run.info.run_id
+
     def child_run(self, parent_id: str, round_index: int, stage: str) -> str:
         """The child run for (round, stage) under `parent_id`, created if missing.
 

@@ -1,0 +1,213 @@
+"""What a PPO run will cost before it starts: memory per GPU, time per step, GPU-hours, money,
+and the cheapest way to spread it over GPUs that fits.
+
+Pure arithmetic over typed inputs: the model shapes (estimate_model), the device and its price
+(estimate_hardware), the workload and strategy (estimate_workload); memory (estimate_memory) and
+time (estimate_time) hold the formulas. docs/estimate.md explains them and compares them with
+published runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import product
+
+from rlflow.engine.estimate_hardware import DeviceSpec
+from rlflow.engine.estimate_memory import GIB, MemoryEstimate, estimate_memory, vllm_gpus_needed
+from rlflow.engine.estimate_time import StepTime, estimate_step_time
+from rlflow.engine.estimate_workload import OFFLOADS, BackendPrecisions, Strategy, Workload
+
+# A plan fits when its peak stays this share below the device's memory: allocator spikes,
+# NCCL buffers that grow with the world size and the estimate's own error need the room.
+MEMORY_MARGIN = 0.10
+GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+# Plans within this share of the cheapest GPU-hours count as equally cheap: the simplest wins.
+COST_TIE = 0.05
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One workload under one strategy on one device type."""
+
+    workload: Workload
+    strategy: Strategy
+    device: DeviceSpec
+    memory: MemoryEstimate
+    step: StepTime
+    steps: int
+    gpus_billed: int  # training GPUs + a vLLM server's own GPUs
+    currency: str
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory a plan may fill (MEMORY_MARGIN kept free)."""
+        return self.device.memory_gib * GIB * (1 - MEMORY_MARGIN)
+
+    @property
+    def usable_host_bytes(self) -> float:
+        """Host RAM per node a plan may fill (MEMORY_MARGIN kept free)."""
+        return self.device.host_memory_gib * GIB * (1 - MEMORY_MARGIN)
+
+    @property
+    def fits(self) -> bool:
+        """Peak device memory, host memory per node and a vLLM server's GPUs all within bounds."""
+        rollout_ok = self.memory.rollout_gpu_capacity == 0 or self.memory.rollout_concurrency >= 1
+        host_ok = self.memory.cpu_ram_per_node <= self.usable_host_bytes
+        return self.memory.peak.total <= self.usable_bytes and host_ok and rollout_ok
+
+    @property
+    def total_hours(self) -> float:
+        return self.step.total * self.steps / 3600
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.total_hours * self.gpus_billed
+
+    @property
+    def cost(self) -> float:
+        return self.gpu_hours * self.device.price_per_gpu_hour
+
+
+def estimate_ppo(w: Workload, s: Strategy, device: DeviceSpec, currency: str) -> Estimate:
+    """Memory, time and cost of `w` run under `s` on `device` GPUs priced in `currency`."""
+    memory = estimate_memory(w, s, device)
+    return Estimate(
+        workload=w,
+        strategy=s,
+        device=device,
+        memory=memory,
+        step=estimate_step_time(w, s, device, memory),
+        steps=w.steps,
+        gpus_billed=s.n_gpus + w.rollout_gpus,
+        currency=currency,
+    )
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    best: Estimate | None  # None: nothing fits
+    reason: str  # one sentence
+    candidates: int  # plans considered
+
+
+def workload_for(w: Workload, n_gpus: int) -> Workload | None:
+    """`w` runnable on n ranks: rollout.generate_batch shrunk (to rollout_batch // n) when there are
+    fewer sampling chunks than ranks; None when the mini-batch itself is too small to share."""
+    if w.mini_batch < n_gpus or w.rollout_batch < n_gpus:
+        return None
+    if w.rank_shares_problem(n_gpus):
+        w = replace(w, generate_batch=w.rollout_batch // n_gpus)
+    return None if w.rank_shares_problem(n_gpus) else w
+
+
+def candidate_plans(
+    w: Workload, device: DeviceSpec, max_gpus: int, base: Strategy, precisions: BackendPrecisions | None = None
+) -> list[tuple[Workload, Strategy]]:
+    """Every runnable plan up to `max_gpus` training GPUs: the torch backend on one device,
+    DeepSpeed ZeRO 1-3 x offload x GPU counts (powers of two) whose ranks all get a share of the
+    batch, each in its backend's precision (`precisions`; None: all in w.precision). Gradient
+    checkpointing and frozen-model offload stay as configured (`base`); a vLLM server on its own
+    GPUs gets as many as it needs (vllm_gpus_needed), on top of max_gpus."""
+
+    def adapted(pw: Workload, stage: int) -> Workload:
+        pw = replace(pw, precision=precisions.for_stage(stage)) if precisions else pw
+        return replace(pw, rollout_gpus=vllm_gpus_needed(pw, device)) if pw.rollout_gpus else pw
+
+    plans = [(adapted(w, 0), replace(base, zero_stage=0, n_gpus=1, offload="none"))]
+    for stage, offload, n in product((1, 2, 3), OFFLOADS, GPU_COUNTS):
+        shared = workload_for(w, n)
+        if n > max_gpus or (offload == "all" and stage != 3) or shared is None:
+            continue
+        plans.append((adapted(shared, stage), replace(base, zero_stage=stage, n_gpus=n, offload=offload)))
+    return plans
+
+
+def recommend(
+    w: Workload,
+    device: DeviceSpec,
+    currency: str,
+    max_gpus: int,
+    base: Strategy,
+    precisions: BackendPrecisions | None = None,
+) -> Recommendation:
+    """The cheapest plan (GPU-hours; within COST_TIE the simplest) whose peak fits the device.
+    `precisions`: each plan trains in its backend's precision (None: all in w.precision)."""
+    plans = candidate_plans(w, device, max_gpus, base, precisions)
+    estimates = [estimate_ppo(pw, s, device, currency) for pw, s in plans]
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        return Recommendation(None, nothing_fits(estimates, device, max_gpus), len(estimates))
+    cheapest = min(e.gpu_hours for e in fitting)
+    tied = [e for e in fitting if e.gpu_hours <= cheapest * (1 + COST_TIE)]
+    best = min(tied, key=lambda e: e.strategy.simplicity_rank)
+    return Recommendation(best, recommendation_reason(best, estimates, w), len(estimates))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def _states_bytes(w: Workload) -> float:
+    """Weights + gradients + optimizer states of actor and critic together, unpartitioned."""
+    return (w.actor.lm_params + w.critic.scalar_params) * w.precision.model_state_bytes
+
+
+def why_not(e: Estimate) -> str:
+    """What breaks a plan that does not fit, e.g. "~95.0 GiB/GPU in training > 72.0 GiB usable"."""
+    if e.memory.peak.total > e.usable_bytes:
+        return f"~{_gib(e.memory.peak.total)}/GPU in {e.memory.peak.phase} > {_gib(e.usable_bytes)} usable"
+    if e.memory.cpu_ram_per_node > e.usable_host_bytes:
+        return f"~{_gib(e.memory.cpu_ram_per_node)} host RAM per node > {_gib(e.usable_host_bytes)} usable"
+    return (
+        f"~{_gib(e.memory.rollout_gpu_bytes)} for the vLLM server's weights and one row's KV cache >"
+        f" {_gib(e.memory.rollout_gpu_capacity)} on its {e.workload.rollout_gpus} GPU(s)"
+    )
+
+
+def recommendation_reason(best: Estimate, estimates: list[Estimate], w: Workload) -> str:
+    """Why this plan: what the model states need, and the nearest simpler plan that does not fit."""
+    bw = best.workload
+    states = (
+        f"weights+gradients+optimizer of the {_params(bw.actor.lm_params)} actor and"
+        f" {_params(bw.critic.scalar_params)} critic need {_gib(_states_bytes(bw))} ({bw.precision.name})"
+    )
+    if bw.generate_batch != w.generate_batch:
+        states += f", with rollout.generate_batch={bw.generate_batch} so every rank samples a chunk"
+    if bw.rollout_gpus != w.rollout_gpus:
+        states += f", with the vLLM server on {bw.rollout_gpus} GPUs (tensor_parallel_size={bw.rollout_gpus})"
+    rank = best.strategy.simplicity_rank
+    simpler = [e for e in estimates if not e.fits and e.strategy.simplicity_rank < rank]
+    if not simpler:
+        return (
+            f"{best.strategy.label}: {states}; its peak is {_gib(best.memory.peak.total)}/GPU"
+            f" ({best.memory.peak.phase}) of {_gib(best.usable_bytes)} usable, and it is the cheapest plan that fits"
+        )
+    closest = max(simpler, key=lambda e: e.strategy.simplicity_rank)
+    return f"{best.strategy.label}: {states}; {closest.strategy.label} does not fit ({why_not(closest)})"
+
+
+def nothing_fits(estimates: list[Estimate], device: DeviceSpec, max_gpus: int) -> str:
+    """Which plan came closest, and what dominates its peak: the remedy depends on it."""
+    if not estimates:
+        return f"no plan can run: the batch has fewer rows or chunks than {max_gpus} ranks need"
+    closest = min(estimates, key=lambda e: (e.memory.peak.total, e.memory.cpu_ram_per_node))
+    parts = closest.memory.peak.components()
+    batch_bound = parts["activations"] + parts["logits"] + parts["kv_cache"]
+    states_bound = sum(v for k, v in parts.items() if k.endswith("_weights") or k in ("gradients", "optimizer_states"))
+    if closest.memory.peak.total <= closest.usable_bytes:
+        fix = "use nodes with more host RAM, or less offload over more GPUs (--max-gpus)"
+    elif batch_bound >= states_bound:
+        fix = (
+            "shrink the per-pass batch: engine.micro_batch_size=1, engine.gradient_checkpointing=true,"
+            " a smaller rollout.generate_batch, or shorter prompts/responses"
+        )
+    else:
+        fix = f"allow more GPUs (--max-gpus above {max_gpus}), a GPU type with more memory, or a smaller model"
+    return (
+        f"nothing fits on {device.name} with up to {max_gpus} GPUs: the closest plan, {closest.strategy.label},"
+        f" needs {why_not(closest)}; {fix}"
+    )

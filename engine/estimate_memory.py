@@ -1,0 +1,309 @@
+"""Device memory of a PPO step, per GPU, by component and phase (bytes throughout).
+
+Phases are sequential, so the peak is the largest phase, not the sum of everything:
+- rollout: the actor samples `generate_batch` rows (KV cache) while every resident state waits;
+- scoring: actor, reference, critic and reward model run forward passes over a chunk (logits);
+- training: actor and critic take turns (fwd + bwd of a micro-batch): gradients and activations.
+
+Formulas (e = activation bytes, the weights' dtype; t = tokens in a micro-batch or chunk):
+- model states (ZeRO paper, Rajbhandari et al. 2019): weights / gradients / optimizer states per
+  parameter from the Precision; stage 1 divides optimizer states by the n ranks, stage 2 also the
+  gradients, stage 3 also the weights (of frozen models too: the engine wraps them in ZeRO-3).
+- activations per token per layer, stored for backward: e * (4h + 2 q + 2 kv + m I) with q/kv the
+  query/key-value widths, I the MLP width and m = 4 for a gated MLP (gate, up, activation, product)
+  or 2 (fc1 output, activation). It is Korthikanti et al. 2022 ("Reducing Activation Recomputation
+  in Large Transformer Models", arXiv:2205.05198) eq. 1 re-derived for SDPA/flash attention (no
+  stored s x s scores: the 5as/h term is gone) and no dropout (the engine disables it): for GPT
+  widths (q = kv = h, I = 4h, m = 2) it gives 32 s b h bytes at e = 2, their 34 minus the 2 dropout
+  masks. Gradient checkpointing keeps only each layer's input (e * h per token per layer, their
+  "full recomputation" 2sbhL) plus one layer's activations while it is recomputed.
+- logits: the actor's forward makes [t x vocab] logits in e bytes, then works on the response part
+  in fp32 (token_logprobs: .float(), / temperature, log_softmax; entropy: log_softmax, exp, product):
+  LOGIT_FP32_COPIES copies of [rows x response x vocab] x 4 bytes live at the loss. Critic and
+  reward model have a scalar head: no vocab-sized tensor.
+- KV cache: 2 * layers * kv_heads * head_dim * e per token, for generate_batch x (prompt + response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from rlflow.engine.estimate_hardware import DeviceSpec
+from rlflow.engine.estimate_model import ModelShape
+from rlflow.engine.estimate_workload import Precision, Strategy, Workload
+
+GIB = 2**30
+# fp32 [rows x response x vocab] tensors alive at once in an actor training micro-batch (the upcast
+# logits, their /temperature copy, two log_softmax outputs, exp and the entropy product; the
+# backward of one of them adds a gradient of that size while the others are freed). Counted from
+# engine/models.py token_logprobs + engine/algos.py; to be checked against `rlflow probe`.
+LOGIT_FP32_COPIES = 6
+# Scoring passes need no entropy and keep no autograd graph: the upcast and its log_softmax.
+SCORING_LOGIT_FP32_COPIES = 2
+# CUDA context, cuBLAS/NCCL workspaces and allocator slack that no tensor accounts for, per GPU
+# process (a CUDA context alone is 0.3-0.6 GiB on A100/H100), plus caching-allocator
+# fragmentation as a share of the tensors.
+GPU_FRAMEWORK_GIB = 1.5
+GPU_FRAGMENTATION = 0.05
+# What a CPU process holds beyond tensors once it runs PPO, above its post-import resident set:
+# allocator arenas, oneDNN scratch, generation's code and caches. `rlflow probe` measured 0.45
+# GiB on the demo model (0.4M parameters, where nothing else counts); docs/estimate.md.
+CPU_FRAMEWORK_GIB = 0.45
+# DeepSpeed's default reduce/all-gather bucket (reduce_bucket_size = 5e8 elements) in gradient
+# dtype, allocated by ZeRO's optimizer whatever the model size above it.
+ZERO_BUCKET_ELEMENTS = 5e8
+# A vLLM server takes this share of its GPUs (its default gpu_memory_utilization).
+VLLM_MEMORY_SHARE = 0.9
+# Host memory of each GPU training process besides offloaded states (its CPU copy of tensors
+# while loading, pinned staging buffers, Python).
+HOST_PROCESS_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Bytes on one training GPU during one phase, by component."""
+
+    phase: str
+    actor_weights: float
+    critic_weights: float
+    reference_weights: float
+    reward_weights: float
+    gradients: float
+    optimizer_states: float
+    zero_gathered: float  # ZeRO-3: parameters gathered for the module running now
+    activations: float
+    logits: float
+    kv_cache: float
+    rollout_server: float  # a vLLM server sharing this GPU: its weights and KV cache
+    framework_overhead: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "phase")
+
+    def components(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "phase"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    phases: tuple[PhaseMemory, ...]
+    cpu_ram_per_node: float  # bytes of host memory per node: offloaded states + the processes
+    rollout_gpu_bytes: float  # a dedicated vLLM GPU's use (weights + KV of its concurrent rows); 0 if none
+    rollout_gpu_capacity: float  # bytes the vLLM server may use on its GPUs; 0 if none
+    rollout_concurrency: int  # rows the sampler decodes at once
+
+    @property
+    def peak(self) -> PhaseMemory:
+        return max(self.phases, key=lambda p: p.total)
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, e: int) -> int:
+    """Bytes one token leaves for backward in one layer (see the module docstring)."""
+    m = 4 if shape.gated_mlp else 2
+    return e * (4 * shape.hidden_size + 2 * shape.q_width + 2 * shape.kv_width + m * shape.intermediate_size)
+
+
+def training_activation_bytes(shape: ModelShape, tokens: int, e: int, checkpointing: bool) -> float:
+    """Activations kept for backward over all layers for `tokens` tokens of a micro-batch."""
+    per_layer = activation_bytes_per_token_layer(shape, e) * tokens
+    if checkpointing:
+        return shape.num_layers * e * shape.hidden_size * tokens + per_layer
+    return shape.num_layers * per_layer
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, e: int) -> float:
+    """KV cache of `rows` sequences of `tokens` tokens: 2 * layers * kv_heads * head_dim * e each."""
+    return shape.kv_bytes_per_token(e) * rows * tokens
+
+
+def actor_logit_bytes(shape: ModelShape, rows: int, w: Workload, e: int, fp32_copies: int) -> float:
+    """Full-sequence logits in e bytes + fp32 copies of the response part."""
+    full = rows * w.sequence_tokens * shape.vocab_size * e
+    return full + fp32_copies * rows * w.response_tokens * shape.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class _Resident:
+    """Model states per GPU that persist across phases (bytes), and what went to host memory."""
+
+    weights: dict[str, float]
+    optimizer: float
+    gradients: float  # during training only: freed (set to None) after each optimizer step
+    host: float  # per rank
+
+
+def partitioned_states(params: float, p: Precision, zero_stage: int, n: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes per GPU of `params` trainable parameters: ZeRO
+    stage 1 partitions the optimizer states over n ranks, 2 also the gradients, 3 also the weights
+    (Rajbhandari et al. 2019, Figure 1: 7.5B, n = 64 -> 120 / 31.4 / 16.6 / 1.9 GB total)."""
+    return (
+        params * p.weight_bytes / (n if zero_stage >= 3 else 1),
+        params * p.grad_bytes / (n if zero_stage >= 2 else 1),
+        params * p.optimizer_bytes / (n if zero_stage >= 1 else 1),
+    )
+
+
+def resident_states(w: Workload, s: Strategy) -> _Resident:
+    """Weights, gradients and optimizer states per GPU under ZeRO stage / offload (see docstring)."""
+    p, n = w.precision, s.n_gpus
+    trainable = w.actor.lm_params + w.critic.scalar_params
+    params = {
+        "actor": w.actor.lm_params,
+        "critic": w.critic.scalar_params,
+        "reference": w.reference.lm_params,
+        "reward": w.reward.scalar_params,
+    }
+    weight_share = 1 / n if s.zero_stage == 3 else 1.0
+    weights = {name: count * p.weight_bytes * weight_share for name, count in params.items()}
+    host = 0.0
+    if s.offload_params:  # ZeRO-3 partitions of every model live in host memory
+        host += sum(weights.values())
+        weights = dict.fromkeys(weights, 0.0)
+    _, gradients, optimizer = partitioned_states(trainable, p, s.zero_stage, n)
+    if s.zero_stage == 0:  # the torch backend frees each model's gradients at its optimizer step
+        gradients = max(w.actor.lm_params, w.critic.scalar_params) * p.grad_bytes
+    if s.offload_optimizer:  # ZeRO-Offload: optimizer states and fp32 gradient partitions on the host
+        host += optimizer + trainable * 4 / n
+        optimizer, gradients = 0.0, 0.0
+    return _Resident(weights, optimizer, gradients, host)
+
+
+def _frozen_away(s: Strategy, on_gpu: bool) -> bool:
+    """engine.offload_frozen_models: reference and reward model in host memory outside rollout and
+    scoring (a no-op on the CPU and under ZeRO-3, as in Runtime.onloaded)."""
+    return s.offload_frozen_models and on_gpu and s.zero_stage != 3
+
+
+def zero_gathered_bytes(w: Workload, s: Strategy) -> float:
+    """ZeRO-3 gathers each module's parameters before it runs and prefetches the next: about two
+    decoder layers plus the vocab matrix of the largest model, whole, in weight dtype."""
+    if s.zero_stage != 3 or (s.n_gpus == 1 and not s.offload_params):
+        return 0.0
+    shapes = (w.actor, w.critic, w.reference, w.reward)
+    return max(2 * m.layer_params + m.vocab_size * m.hidden_size for m in shapes) * w.precision.weight_bytes
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    """What sampling holds: on the training GPUs (HF generate, or a vLLM server sharing them) or
+    on the vLLM server's own GPUs."""
+
+    kv_on_trainer: float  # HF generate's KV cache on each training rank
+    server_on_trainer: float  # a vLLM server without GPUs of its own: its weights + KV cache
+    server_gpu_bytes: float  # a vLLM server on dedicated GPUs: weights + KV of its concurrent rows
+    server_gpu_capacity: float
+    concurrency: int  # rows decoded at once
+
+
+def rollout_memory(w: Workload, device: DeviceSpec) -> RolloutMemory:
+    """KV cache and sampler weights: HF generate keeps generate_batch rows; vLLM keeps as many of the
+    batch's rows as its KV-cache space holds (all, when it shares the training GPUs)."""
+    e = w.precision.weight_bytes
+    row_kv = kv_cache_bytes(w.actor, 1, w.sequence_tokens, e)
+    if w.rollout_engine == "hf":
+        return RolloutMemory(row_kv * w.generate_batch, 0.0, 0.0, 0.0, w.generate_batch)
+    weights = w.actor.lm_params * e
+    if w.rollout_gpus == 0:
+        return RolloutMemory(0.0, weights + row_kv * w.rollout_batch, 0.0, 0.0, w.rollout_batch)
+    capacity = VLLM_MEMORY_SHARE * device.memory_gib * GIB * w.rollout_gpus
+    room = capacity - weights - GPU_FRAMEWORK_GIB * GIB * w.rollout_gpus
+    concurrency = int(min(w.rollout_batch, max(0.0, room) // row_kv))
+    used = weights + GPU_FRAMEWORK_GIB * GIB * w.rollout_gpus + row_kv * max(1, concurrency)
+    return RolloutMemory(0.0, 0.0, used, capacity, concurrency)
+
+
+def vllm_gpus_needed(w: Workload, device: DeviceSpec, most: int = 8) -> int:
+    """Dedicated vLLM GPUs (tensor parallel, a power of two up to `most`) for `w`: the fewest at or
+    above w.rollout_gpus whose KV-cache room holds the whole rollout batch, else the fewest that
+    hold the weights and one row, else `most`."""
+    counts = [k for k in (1, 2, 4, 8, 16) if max(1, w.rollout_gpus) <= k <= max(most, w.rollout_gpus)]
+    options = [(k, rollout_memory(replace(w, rollout_gpus=k), device).concurrency) for k in counts]
+    whole = [k for k, rows in options if rows >= w.rollout_batch]
+    some = [k for k, rows in options if rows >= 1]
+    return (whole or some or [counts[-1]])[0]
+
+
+def _overhead(tensors: float, device: DeviceSpec, buckets: float) -> float:
+    if device.is_cpu:
+        return CPU_FRAMEWORK_GIB * GIB
+    return GPU_FRAMEWORK_GIB * GIB + GPU_FRAGMENTATION * tensors + buckets
+
+
+def estimate_memory(w: Workload, s: Strategy, device: DeviceSpec) -> MemoryEstimate:
+    """Bytes per training GPU in each phase, host memory per node and the sampler's GPUs."""
+    on_gpu = not device.is_cpu
+    res = resident_states(w, s)
+    roll = rollout_memory(w, device)
+    e, g = w.precision.weight_bytes, w.generate_batch
+    gathered = zero_gathered_bytes(w, s)
+    frozen_away = _frozen_away(s, on_gpu)
+    weights = res.weights
+    w_train = dict(weights, reference=0.0, reward=0.0) if frozen_away else weights
+    layer = activation_bytes_per_token_layer(w.actor, e)  # a forward's transient working set: one layer
+    rollout_parts = dict(
+        activations=layer * g * w.prompt_tokens if w.rollout_engine == "hf" else 0.0,
+        logits=g * w.actor.vocab_size * 4.0 if w.rollout_engine == "hf" else 0.0,
+        kv_cache=roll.kv_on_trainer,
+    )
+    scoring_parts = dict(
+        activations=layer * g * w.sequence_tokens,
+        logits=actor_logit_bytes(w.actor, g, w, e, SCORING_LOGIT_FP32_COPIES),
+        kv_cache=0.0,
+    )
+    rows = w.micro_rows(s.n_gpus)
+    tokens = rows * w.sequence_tokens
+    actor_act = training_activation_bytes(w.actor, tokens, e, s.gradient_checkpointing)
+    actor_logits = actor_logit_bytes(w.actor, rows, w, e, LOGIT_FP32_COPIES)
+    critic_act = training_activation_bytes(w.critic, tokens, e, s.gradient_checkpointing)
+    actor_turn = actor_act + actor_logits >= critic_act
+    training_parts = dict(
+        activations=actor_act if actor_turn else critic_act, logits=actor_logits if actor_turn else 0.0, kv_cache=0.0
+    )
+    if w.single_pass(s):  # both forwards run before either backward: both graphs are alive
+        training_parts.update(activations=actor_act + critic_act, logits=actor_logits)
+    buckets = 0.0
+    if s.zero_stage >= 1 and on_gpu:
+        largest = max(w.actor.lm_params, w.critic.scalar_params)
+        buckets = min(ZERO_BUCKET_ELEMENTS, largest) * w.precision.grad_bytes
+    phases = []
+    for phase, parts, model_weights, grads, phase_buckets in (
+        ("rollout", rollout_parts, weights, 0.0, 0.0),
+        ("scoring", scoring_parts, weights, 0.0, 0.0),
+        ("training", training_parts, w_train, res.gradients, buckets),
+    ):
+        tensors = sum(model_weights.values()) + grads + res.optimizer + gathered + sum(parts.values())
+        tensors += roll.server_on_trainer
+        phases.append(
+            PhaseMemory(
+                phase=phase,
+                actor_weights=model_weights["actor"],
+                critic_weights=model_weights["critic"],
+                reference_weights=model_weights["reference"],
+                reward_weights=model_weights["reward"],
+                gradients=grads,
+                optimizer_states=res.optimizer,
+                zero_gathered=gathered,
+                rollout_server=roll.server_on_trainer,
+                framework_overhead=_overhead(tensors, device, phase_buckets),
+                **parts,
+            )
+        )
+    peak = max(p.total for p in phases)
+    return MemoryEstimate(
+        phases=tuple(phases),
+        cpu_ram_per_node=_host_bytes(w, s, res.host, frozen_away, device, peak),
+        rollout_gpu_bytes=roll.server_gpu_bytes,
+        rollout_gpu_capacity=roll.server_gpu_capacity,
+        rollout_concurrency=roll.concurrency,
+    )
+
+
+def _host_bytes(w: Workload, s: Strategy, host: float, frozen_away: bool, device: DeviceSpec, peak: float) -> float:
+    """Host memory per node: on a CPU machine, the peak itself; on GPU nodes, what each rank moved
+    there (offloaded states, waiting frozen models) plus HOST_PROCESS_GIB per rank."""
+    if device.is_cpu:
+        return peak * s.n_gpus
+    ranks = min(s.n_gpus, device.gpus_per_node)
+    frozen = (w.reference.lm_params + w.reward.scalar_params) * w.precision.weight_bytes if frozen_away else 0.0
+    return ranks * (host + frozen + HOST_PROCESS_GIB * GIB)

@@ -1,0 +1,161 @@
+"""Measure a PPO configuration for a few steps before committing to a run: memory, step time,
+throughput, and where reward and KL are heading. Writes nothing: no checkpoints, no models.
+
+Memory is the process's peak resident set above its resident set once everything is imported
+(the number `rlflow estimate` predicts on a CPU), and on a GPU torch's peak allocation.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from rlflow.engine.backend import Runtime
+from rlflow.engine.config import DataConfig, ModelConfig, PPOConfig
+from rlflow.engine.data import load_prompts
+from rlflow.engine.evaluation import encode_prompt_set
+from rlflow.engine.ppo import make_controller, ppo_step
+from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
+
+
+@dataclass(frozen=True)
+class ProbeStep:
+    step: int
+    seconds: float
+    generated_tokens: int  # response tokens sampled this step
+    processed_tokens: int  # prompt + response tokens of the batch
+    reward: float  # critic/score/mean: mean normalised reward-model score
+    kl: float  # actor/kl: rollout KL to the reference, nats per token
+    timings: dict[str, float]  # the step's timing_s/* phases
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    steps: tuple[ProbeStep, ...]
+    load_seconds: float  # loading the four models and encoding the prompts
+    baseline_rss: int  # bytes resident after imports, before any model is loaded
+    peak_rss: int  # bytes: the process's peak resident set
+    gpu_peak_allocated: int | None  # bytes torch allocated at most on the GPU; None on a CPU
+    longest_prompt: int  # tokens of the longest encoded prompt (what batches are padded to, at most)
+
+    @property
+    def peak_rss_above_baseline(self) -> int:
+        return self.peak_rss - self.baseline_rss
+
+    @property
+    def timed(self) -> tuple[ProbeStep, ...]:
+        """The steps that count for timing: all but the first, which pays one-off costs (lazy
+        optimizer state, kernel selection for new shapes), unless it is the only one."""
+        return self.steps[1:] if len(self.steps) > 1 else self.steps
+
+    def step_seconds(self) -> dict[str, float]:
+        """mean, p50 and p90 seconds per step over the timed steps."""
+        seconds = sorted(s.seconds for s in self.timed)
+        p90 = seconds[min(len(seconds) - 1, round(0.9 * (len(seconds) - 1)))]
+        return {"mean": statistics.fmean(seconds), "p50": statistics.median(seconds), "p90": p90}
+
+    def tokens_per_second(self) -> dict[str, float]:
+        """Generated and processed (prompt + response) tokens per second over the timed steps."""
+        seconds = sum(s.seconds for s in self.timed)
+        return {
+            "generated": sum(s.generated_tokens for s in self.timed) / seconds,
+            "processed": sum(s.processed_tokens for s in self.timed) / seconds,
+        }
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Median seconds per step of each timing_s/* phase over the timed steps."""
+        keys = sorted({k for s in self.timed for k in s.timings})
+        return {k: statistics.median(s.timings.get(k, 0.0) for s in self.timed) for k in keys}
+
+    def trends(self) -> dict[str, float]:
+        """Least-squares slope per step of the reward and the KL over all probed steps."""
+        xs = [float(s.step) for s in self.steps]
+        return {
+            "reward_per_step": least_squares_slope(xs, [s.reward for s in self.steps]),
+            "kl_per_step": least_squares_slope(xs, [s.kl for s in self.steps]),
+        }
+
+
+def least_squares_slope(xs: list[float], ys: list[float]) -> float:
+    """Slope of the least-squares line through (xs, ys); 0 for fewer than two points."""
+    if len(xs) < 2:
+        return 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def resident_bytes() -> int:
+    """The process's resident set now (Linux /proc; elsewhere the peak is the best there is)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_resident_bytes()
+
+
+def peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def preload_model_code(path: str, trust_remote_code: bool) -> None:
+    """Import the model's modelling code now, so the baseline holds code and only the probe's
+    tensors count above it (transformers imports an architecture's module on first use)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    for name in (*(config.architectures or ()), "AutoModelForCausalLM", "AutoModelForSequenceClassification"):
+        getattr(transformers, name, None)  # a lazy attribute: getting it imports its module
+
+
+def run_probe(
+    inputs: PPOInputs,
+    model_cfg: ModelConfig,
+    cfg: PPOConfig,
+    data: DataConfig,
+    runtime: Runtime,
+    steps: int,
+    generate_batch: int,
+    seed: int,
+    on_step: Callable[[ProbeStep], None] = lambda step: None,
+) -> ProbeReport:
+    """`steps` PPO steps of `cfg` from `inputs`, exactly as the stage runs them (no evaluation,
+    no checkpoint). Call it in a process that has imported what it needs: the baseline is taken
+    on entry, the peak is the process's lifetime peak."""
+    preload_model_code(inputs.policy, model_cfg.trust_remote_code)
+    baseline = resident_bytes()
+    if runtime.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(runtime.device)
+    started = time.monotonic()
+    models = load_ppo_models(inputs, model_cfg, cfg, _no_gold, runtime)
+    records = load_prompts(data.prompts, data.storage_options)
+    prompts, _, _ = encode_prompt_set(
+        models.tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.prompts
+    )
+    controller, done = make_controller(cfg), []
+    load_seconds = time.monotonic() - started
+    for step in range(1, steps + 1):
+        metrics = ppo_step(models, controller, cfg, prompts, seed, 0, step, generate_batch)
+        probe = ProbeStep(
+            step=step,
+            seconds=metrics["timing_s/step"],
+            generated_tokens=round(metrics["response_length/mean"] * cfg.rollout_batch),
+            processed_tokens=round(metrics["perf/throughput"] * metrics["timing_s/step"]),
+            reward=metrics["critic/score/mean"],
+            kl=metrics["actor/kl"],
+            timings={k: v for k, v in metrics.items() if k.startswith("timing_s/")},
+        )
+        done.append(probe)
+        on_step(probe)
+    gpu_peak = torch.cuda.max_memory_allocated(runtime.device) if runtime.device.type == "cuda" else None
+    longest = max(len(p) for p in prompts.token_ids)
+    return ProbeReport(tuple(done), load_seconds, baseline, peak_resident_bytes(), gpu_peak, longest)
+
+
+def _no_gold(prompt: str, response: str, **fields) -> float:
+    raise AssertionError("a probe never evaluates: the gold function must not be called")

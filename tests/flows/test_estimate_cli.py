@@ -1,0 +1,90 @@
+"""`rlflow estimate`: the demo config on this CPU (fixed calibration), a 7B on A100s, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import rlflow.flows.estimate as estimate_cli
+from rlflow.engine.estimate_hardware import CpuCalibration
+from rlflow.flows.cli import main
+
+DEMO = str(Path(__file__).parents[2] / "configs" / "demo.yaml")
+TINY_CONFIG = {  # demo_assets/tiny-model/config.json (the folder itself is generated, not committed)
+    "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 256, "vocab_size": 351, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+@pytest.fixture
+def tiny_model(tmp_path, monkeypatch):
+    """A model folder holding only config.json (all the estimator reads) and a fixed CPU calibration."""
+    monkeypatch.setattr(estimate_cli, "measure_cpu", lambda: CpuCalibration(0.138, 11.2, 23.6))
+    folder = tmp_path / "tiny-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return folder
+
+
+def run_json(capsys, *argv):
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_demo_config_on_the_cpu_prints_memory_time_cost_and_advice(tiny_model, capsys):
+    assert main(["estimate", DEMO, f"model.path={tiny_model}", "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu (23.6 GiB, 0.138 TFLOP/s fp32, 11.2 GB/s measured now" in out
+    assert "as configured: torch backend on 1 device (fp32)" in out
+    for line in ("memory per GPU (GiB)", "KV cache", "time per PPO step (s)", "30 steps:", "USD"):
+        assert line in out
+    assert "recommendation: keep it - torch backend on 1 device" in out
+
+
+def test_json_holds_the_same_estimate(tiny_model, capsys):
+    report = run_json(capsys, DEMO, f"model.path={tiny_model}", "--gpu", "cpu")
+    configured = report["configured"]
+    assert configured["fits"] and configured["peak_phase"] in configured["memory_gib"]
+    steps = configured["step_seconds"]
+    assert steps["total"] == pytest.approx(sum(v for k, v in steps.items() if k != "total"))
+    assert configured["gpu_hours"] == pytest.approx(steps["total"] * 30 / 3600)
+    assert report["workload"]["actor"]["hidden_size"] == 128 and report["workload"]["prompt_tokens"] == 32
+    assert report["recommended"]["strategy"]["zero_stage"] == 0
+
+
+def test_a_7b_policy_on_a100s_is_advised_a_zero_plan(tiny_model, capsys):
+    report = run_json(capsys, DEMO, "rollout.generate_batch=8", "--model", "7B", "--gpu", "a100-80g")
+    assert not report["configured"]["fits"]  # the demo's torch backend: one fp32 process
+    best = report["recommended"]
+    assert best["fits"] and best["strategy"]["zero_stage"] >= 1 and best["currency"] == "USD"
+    assert report["recommendation"].startswith(best["strategy"]["label"])
+
+
+def test_resources_gpu_type_picks_the_device(tiny_model, capsys):
+    report = run_json(capsys, DEMO, f"model.path={tiny_model}", "resources.gpu_type=h100-80g")
+    assert report["device"]["name"] == "h100-80g"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpu", "a100"], r"unknown GPU type 'a100' \(--gpu\); valid types in .*prices.yaml: cpu, a10g-24g"),
+        (["--model", "no/such/folder"], "neither a local model folder nor a size like 7B"),
+        (["--zero", "0", "--gpus", "2"], "--zero 0 is the torch backend"),
+        (["--zero", "2", "--offload", "all"], "needs ZeRO stage 3"),
+        (["--gpus", "64", "--zero", "3"], "--gpus 64: ppo.mini_batch=32 is below 64 ranks"),
+        (["ppo.stepz=3"], "unknown key 'ppo.stepz'"),
+    ],
+)
+def test_bad_input_is_one_line_naming_it(tiny_model, capsys, argv, message):
+    import re
+
+    assert main(["estimate", DEMO, f"model.path={tiny_model}", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlflow: error: ") and re.search(message, err), err
+
+
+def test_a_model_folder_without_config_json_is_named(tiny_model, tmp_path, capsys):
+    (tmp_path / "weights-only").mkdir()
+    assert main(["estimate", DEMO, "--model", str(tmp_path / "weights-only"), "--gpu", "cpu"]) == 2
+    assert "has no config.json" in capsys.readouterr().err
