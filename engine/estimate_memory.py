@@ -118,8 +118,9 @@ def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, e: int) -> float:
 
 
 def actor_logit_bytes(shape: ModelShape, rows: int, w: Workload, e: int, fp32_copies: int) -> float:
-    """Full-sequence logits in e bytes + fp32 copies of the response part."""
-    full = rows * w.sequence_tokens * shape.vocab_size * e
+    """Logits of the response positions (the engine asks for no others: logits_to_keep) in e bytes
+    + fp32 copies of them."""
+    full = rows * (w.response_tokens + 1) * shape.vocab_size * e
     return full + fp32_copies * rows * w.response_tokens * shape.vocab_size * 4
 
 

@@ -99,6 +99,14 @@ def forward_flops(flop_params: int, shape: ModelShape, rows: int, tokens: int) -
     return 2.0 * flop_params * rows * tokens + 2.0 * shape.num_layers * shape.q_width * tokens**2 * rows
 
 
+def sequence_flops(shape: ModelShape, flop_params: int, rows: int, tokens: int, logit_tokens: int) -> float:
+    """forward_flops of a model whose vocabulary head (if `flop_params` counts one) runs on only
+    `logit_tokens` positions per row: the engine asks for the response positions' logits alone
+    (logits_to_keep), generate's prefill for the last position's."""
+    head = shape.vocab_size * shape.hidden_size if flop_params == shape.lm_flop_params else 0
+    return forward_flops(flop_params - head, shape, rows, tokens) + 2.0 * head * rows * logit_tokens
+
+
 def collective_s(nbytes: float, n: int, device: DeviceSpec) -> float:
     """A ring all-gather / reduce-scatter of `nbytes` (the full tensor) over n ranks."""
     return 0.0 if n <= 1 else nbytes * (n - 1) / n / (device.collective_gbs(n) * 1e9)
@@ -120,7 +128,7 @@ def generation_seconds(w: Workload, s: Strategy, device: DeviceSpec, mem: Memory
         units, gpus = -(-w.rollout_batch // rows), max(1, w.rollout_gpus)
     peak, bandwidth = device.peak_flops(w.precision.compute) * gpus, device.memory_gbs * 1e9 * gpus
     prefill = max(
-        forward_flops(a.lm_flop_params, a, rows, w.prompt_tokens) / (peak * eff.forward_mfu),
+        sequence_flops(a, a.lm_flop_params, rows, w.prompt_tokens, 1) / (peak * eff.forward_mfu),
         weights / (bandwidth * eff.bandwidth),
     )
     context = w.prompt_tokens + (w.response_tokens + 1) / 2  # mean KV length over the decode steps
@@ -161,7 +169,7 @@ def scoring_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[float
     chunks = w.chunks_per_rank(s.n_gpus)
     compute = comm = 0.0
     for shape, flop_params, params in _scoring_models(w, s):
-        flops = forward_flops(flop_params, shape, w.generate_batch, w.sequence_tokens)
+        flops = sequence_flops(shape, flop_params, w.generate_batch, w.sequence_tokens, w.response_tokens + 1)
         per_chunk = max(flops / (peak * eff.forward_mfu), params * e / (bandwidth * eff.bandwidth))
         compute += chunks * (per_chunk + _forward_overhead(shape))
         if s.zero_stage == 3:
@@ -193,7 +201,7 @@ def training_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[floa
         (w.actor, w.actor.lm_flop_params, w.actor.lm_params),
         (w.critic, w.critic.scalar_flop_params, w.critic.scalar_params),
     ):
-        flops = passes * forward_flops(flop_params, shape, rows, w.sequence_tokens)
+        flops = passes * sequence_flops(shape, flop_params, rows, w.sequence_tokens, w.response_tokens + 1)
         compute += flops / (peak * eff.train_mfu) + micro * overhead_calls * _forward_overhead(shape)
         partition = params / (n if s.zero_stage >= 1 else 1)
         adam_gbs = HOST_ADAM_GBS * 1e9 if s.offload_optimizer else bandwidth * eff.bandwidth

@@ -243,13 +243,16 @@ def token_logprobs(
     """
     device = model_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    # Logits only where a response token is predicted: the vocabulary projection of the prompt
+    # positions is wasted work and memory (a 150k vocabulary makes it ~15% of a 0.5B model's FLOPs).
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
+        logits_to_keep=input_ids.shape[1] - response_start + 1,
     )
-    logits = out.logits[:, response_start - 1 : -1].float() / temperature
+    logits = out.logits[:, :-1].float() / temperature
     logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 

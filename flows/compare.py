@@ -1,7 +1,8 @@
 """`rlflow compare RUN [RUN ...]`: rounds side by side, read back from MLflow.
 
 A table of per-round numbers (gold and reward-model score, KL, reward-model accuracy, PPO
-tokens/s, seconds) and a figure of reward, KL and response length per PPO step, one line per
+tokens/s, seconds, and what those seconds cost on the run's devices at configs/prices.yaml's
+price) and a figure of reward, KL and response length per PPO step, one line per
 (run, round), saved as a PNG and logged to each run's parent MLflow run under compare/.
 """
 
@@ -25,6 +26,7 @@ TABLE_COLUMNS = (
     ("rm_acc", "rm", "rm/accuracy"),
     ("ppo_tok_s", "ppo", "perf/throughput@mean"),
 )
+PRICES = Path(__file__).resolve().parents[1] / "configs" / "prices.yaml"
 CURVES = (("reward", "critic/score/mean"), ("KL", "actor/kl"), ("response length", "response_length/mean"))
 
 
@@ -97,9 +99,32 @@ def _fill(client: Any, rec: RoundRecord) -> None:
             rec.curves[key] = sorted({m.step: m.value for m in history}.items())
 
 
-def format_compare_table(records: list[RoundRecord]) -> str:
-    columns = [c for c, _, _ in TABLE_COLUMNS] + ["seconds"]
-    header = f"{'run':<24} {'round':>5} " + " ".join(f"{c:>11}" for c in columns)
+def price_rounds(client: Any, parents: dict[str, str], records: list[RoundRecord], book: Any) -> None:
+    """Each round's "cost": its stages' wall seconds x the run's devices (resources.nproc_per_node x
+    nnodes) x the hourly price of its device (resources.gpu_type, else this machine's CPU)."""
+    from rlflow.engine.estimate_hardware import CPU_DEVICE
+
+    rates = {}
+    for name, parent_id in parents.items():
+        params = client.get_run(parent_id).data.params
+        device = params.get("config.resources.gpu_type") or CPU_DEVICE
+        device = CPU_DEVICE if device == "None" else device
+        if device not in book.devices:
+            raise ConfigError(
+                f"run {name!r} ran on resources.gpu_type={device!r}, which {book.source} does not price;"
+                f" add it there or pass --prices (priced: {', '.join(sorted(book.devices))})"
+            )
+        count = int(params.get("config.resources.nproc_per_node", 1)) * int(params.get("config.resources.nnodes", 1))
+        rates[name] = count * float(book.devices[device]["price_per_gpu_hour"]) / 3600
+    for rec in records:
+        if "seconds" in rec.values:
+            rec.values["cost"] = rec.values["seconds"] * rates[rec.run]
+
+
+def format_compare_table(records: list[RoundRecord], currency: str = "USD") -> str:
+    columns = [c for c, _, _ in TABLE_COLUMNS] + ["seconds", "cost"]
+    names = {"cost": f"cost_{currency}"}
+    header = f"{'run':<24} {'round':>5} " + " ".join(f"{names.get(c, c):>11}" for c in columns)
     lines = [header]
     for rec in records:
         cells = " ".join(f"{format_cell(rec.values.get(c), c):>11}" for c in columns)
@@ -113,6 +138,8 @@ def format_cell(value: Any, column: str = "") -> str:
         return "-"
     if not isinstance(value, float):
         return str(value)
+    if column == "cost":
+        return f"{value:.4g}"
     return f"{value:.1f}" if column in ("seconds", "ppo_tok_s") else f"{value:.4f}"
 
 
@@ -145,8 +172,12 @@ def command_compare(args: argparse.Namespace) -> int:
 
     tracker = RunTracker(resolve_tracking_uri(args.tracking_uri, args.root), args.experiment)
     client = tracker.client
+    from rlflow.engine.estimate_hardware import load_price_book
+
     parents, records = collect(client, args.experiment, args.runs)
-    print(format_compare_table(records))
+    book = load_price_book(args.prices)
+    price_rounds(client, parents, records, book)
+    print(format_compare_table(records, book.currency))
     png = plot_curves(records)
     out = Path(args.out or f"{args.root}/compare-{'-vs-'.join(args.runs)}.png")
     if "://" in str(out):
@@ -167,4 +198,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else <root>/mlflow.db)")
     p.add_argument("--experiment", default="rlflow")
     p.add_argument("--root", default="runs", help="run.root of the runs (default: runs)")
+    p.add_argument("--prices", default=str(PRICES), help="device prices for the cost column (configs/prices.yaml)")
     p.set_defaults(handler=command_compare)

@@ -218,6 +218,11 @@ def check_registry_compare_report_export(root, mlflow_server, tmp_path, capsys):
     assert [line.split()[:2] for line in table[1:3]] == [["nightly", "0"], ["nightly", "1"]]
     gold_after_round_0 = float(table[1].split()[3])
     assert gold_after_round_0 == pytest.approx(children[("0", "eval")].data.metrics["eval/gold_score"], abs=1e-4)
+    # The cost column: the round's stage seconds on one CPU at its configs/prices.yaml hourly price.
+    assert table[0].split()[-2:] == ["seconds", "cost_USD"]
+    cpu_price = yaml.safe_load((Path(__file__).parents[2] / "configs" / "prices.yaml").read_text())["devices"]["cpu"]
+    seconds, cost = (float(x) for x in table[1].split()[-2:])
+    assert cost == pytest.approx(seconds * cpu_price["price_per_gpu_hour"] / 3600, rel=1e-2)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"report.html", "curves.png", "summary.json", "config.yaml"} <= artifacts
