@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow clean up down status
+.PHONY: install demo test test-slow clean up down status bench
 
 install: $(STAMP)
 
@@ -46,6 +46,18 @@ status:
 
 clean:
 	rm -rf runs .rlflow demo_assets
+
+# rlflow PPO vs TRL 1.12 PPO on this machine (bench/ppo_vs_trl.py; ~4 min on 2 idle cores). TRL is only a
+# yardstick, never a dependency: it goes into .bench/trl once (its other requirements are already in
+# $(VENV)) and reaches the TRL worker alone, through PYTHONPATH.
+TRL_STAMP := .bench/trl/.installed-1.12.0
+bench: install $(TRL_STAMP)
+	$(PY) bench/ppo_vs_trl.py $(ARGS)
+
+$(TRL_STAMP):
+	rm -rf .bench/trl
+	$(PY) -m pip install -q --no-deps --target .bench/trl trl==1.12.0 datasets==5.2.0 "dill<0.4.2" xxhash "multiprocess<0.70.20"
+	touch $@
 
 # The vLLM rollout worker's own environment (rollout.server_backend: vllm; GPU machines only,
 # several GB). vLLM's pins conflict with Prefect's (MACHINE-NOTES), so it never enters $(VENV).

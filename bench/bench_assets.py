@@ -1,0 +1,216 @@
+"""Builds the models, tokenizer and prompts that bench/ppo_vs_trl.py runs both PPO implementations on.
+
+    python bench/bench_assets.py [--root .bench/assets]
+
+Writes, once (a stamp file makes later calls return at once):
+  demo/                 `rlflow demo-assets` output (tiny Llama, hidden 128, 2 layers, vocab 351; prompts)
+  <size>/policy/        the policy (and reference) of each size: "tiny" is the demo model, "50m" a freshly
+                        initialised Llama of ~50M parameters with the same vocabulary (seeded)
+  <size>/rm/            reward model and critic start: the policy's backbone with a seeded random score head
+  prompts.jsonl         the demo's prompts
+The tokenizer saved with each model carries an EOS (<|bench_eos|>, id 351 = vocab_size) that lies outside
+the model's logits: no response can end early, so both sides always sample exactly max_new_tokens.
+Also the workload helpers both workers share: the prompt ids, and how busy other processes kept the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+ROOT = Path(".bench/assets")
+STAMP_VERSION = "ppo_vs_trl-assets-v3"  # bump when what is built changes
+BENCH_EOS = "<|bench_eos|>"
+# ~50M parameters: 10 x (4 x 640^2 attention + 3 x 640 x 1728 MLP) + tied 351 x 640 embedding.
+CONFIG_50M = dict(
+    hidden_size=640,
+    num_hidden_layers=10,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    intermediate_size=1728,
+    max_position_embeddings=256,
+)
+
+
+def bench_tokenizer(demo_model: Path):
+    """The demo tokenizer plus an EOS the model cannot emit (pad stays the in-range demo pad)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    tokenizer.add_special_tokens({"eos_token": BENCH_EOS})
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def set_unreachable_eos(model, eos_id: int) -> None:
+    if eos_id < model.config.vocab_size:
+        raise SystemExit(
+            f"bench EOS id {eos_id} is inside the vocabulary ({model.config.vocab_size}): it could be sampled"
+        )
+    model.config.eos_token_id = eos_id
+    if getattr(model, "generation_config", None) is not None:  # causal LMs only
+        model.generation_config.eos_token_id = eos_id
+
+
+def build_policy(size: str, demo_model: Path, tokenizer, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if size == "tiny":
+        model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    else:
+        base = LlamaConfig.from_pretrained(demo_model)
+        config = LlamaConfig(
+            vocab_size=base.vocab_size,
+            tie_word_embeddings=base.tie_word_embeddings,
+            rms_norm_eps=base.rms_norm_eps,
+            bos_token_id=base.bos_token_id,
+            pad_token_id=base.pad_token_id,
+            **CONFIG_50M,
+        )
+        torch.manual_seed(50)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    set_unreachable_eos(model, tokenizer.eos_token_id)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def build_reward_model(policy: Path, tokenizer, out: Path, seed: int) -> None:
+    """A scalar model with a *saved* head: rlflow keeps a head it finds (it zeroes only a missing one),
+    and TRL reads the same file, so both sides start the reward model and critic bit-identically."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = model.score.weight
+        head.copy_(torch.randn(head.shape, generator=generator) / head.shape[1] ** 0.5)
+    set_unreachable_eos(model, tokenizer.eos_token_id)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def param_counts(model_dir: Path) -> dict:
+    """Parameter counts for the harness's FLOP formula: the embedding table is a lookup (no FLOPs),
+    the LM head a matmul over the vocabulary (tied or not)."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        sizes = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
+    config = json.loads((model_dir / "config.json").read_text())
+    embedding = sizes["model.embed_tokens.weight"]
+    return {
+        "total": sum(sizes.values()),
+        "non_embedding": sum(v for k, v in sizes.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")),
+        "lm_head": embedding,  # vocab x hidden, whether tied or not
+        "hidden": config["hidden_size"],
+        "layers": config["num_hidden_layers"],
+        "vocab": config["vocab_size"],
+    }
+
+
+# -- the workload both workers share ------------------------------------------------------------------
+
+
+def prompt_ids(tokenizer, prompts_file: str, batch: int, max_prompt_tokens: int) -> list[list[int]]:
+    """The first `batch` prompts, tokenized without special tokens and cut to their last tokens: what
+    rlflow's encode_prompt_set does for a tokenizer without a chat template. The TRL worker and the floor
+    use this; the orchestrator checks that every side's ids hash the same."""
+    with open(prompts_file) as f:
+        texts = [json.loads(line)["prompt"] for line in f if line.strip()][:batch]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [list(row)[-max_prompt_tokens:] for row in ids]
+
+
+def ids_crc(ids: list[list[int]]) -> int:
+    return zlib.crc32(json.dumps(ids).encode())
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, machine busy CPU s, this process's CPU s). The other engineer's jobs on this machine
+    run in a namespace ps cannot see; /proc/stat counts them."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # minus idle and iowait
+    times = os.times()
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), times.user + times.system
+
+
+def foreign_cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """Average cores that other processes kept busy between two snapshots (0 = the machine was ours)."""
+    wall, busy, own = (b - a for a, b in zip(start, end))
+    return max(0.0, (busy - own) / wall) if wall > 0 else 0.0
+
+
+# Other jobs below this many cores count as a quiet machine. Two OpenMP threads on two cores stall at
+# every parallel region while a neighbour holds one core: a busy neighbour slows a step several times.
+QUIET_CORES = 0.3
+
+
+def wait_quiet(limit_s: float, last_foreign: float = QUIET_CORES, sample_s: float = 0.3) -> float:
+    """Wait (at most limit_s) until other processes leave the cores idle; returns the seconds waited.
+    Called between timed intervals only, and only after one that others disturbed (`last_foreign`, their
+    cores then): after a quiet one the next starts at once, warm, as in a real training loop."""
+    if last_foreign < QUIET_CORES:
+        return 0.0
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit_s:
+        before = cpu_snapshot()
+        time.sleep(sample_s)
+        if foreign_cores(before, cpu_snapshot()) < QUIET_CORES:
+            break
+    return time.perf_counter() - started
+
+
+def build(root: Path = ROOT) -> dict:
+    """Build everything under `root` unless the stamp says it is there; returns the stamp's content."""
+    stamp = root / "ASSETS_OK"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("version") == STAMP_VERSION:
+        return json.loads(stamp.read_text())
+    from transformers.utils import logging as hf_logging
+
+    # transformers warns that EOS 351 is outside the vocabulary: that is the point (see the docstring).
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    rlflow = Path(sys.executable).parent / "rlflow"
+    made = subprocess.run([str(rlflow), "demo-assets", str(root / "demo")], capture_output=True, text=True)
+    if made.returncode:
+        raise SystemExit(f"rlflow demo-assets failed:\n{made.stdout}{made.stderr}")
+    demo_model = root / "demo" / "tiny-model"
+    shutil.copy(root / "demo" / "data" / "prompts.jsonl", root / "prompts.jsonl")
+    tokenizer = bench_tokenizer(demo_model)
+    info = {
+        "version": STAMP_VERSION,
+        "prompts": str(root / "prompts.jsonl"),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    for i, size in enumerate(("tiny", "50m")):
+        policy, rm = root / size / "policy", root / size / "rm"
+        build_policy(size, demo_model, tokenizer, policy)
+        build_reward_model(policy, tokenizer, rm, seed=100 + i)
+        info[size] = {"policy": str(policy), "rm": str(rm), "params": param_counts(policy)}
+    stamp.write_text(json.dumps(info, indent=2))
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", default=str(ROOT))
+    print(json.dumps(build(Path(parser.parse_args().root)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""One repetition of rlflow's PPO, with the bare-torch floor beside it, for bench/ppo_vs_trl.py.
+
+    python bench/rlflow_ppo_worker.py '<workload JSON>'     # normally started by bench/ppo_vs_trl.py
+
+Loads the four models through rlflow's engine, runs `warmup` PPO steps untimed, then times `updates`
+steps one by one (generation + scoring + updates), keeping every step's timing_s/* metric. After each
+timed step it times, once each, the floor: the same batch through bare transformers calls (a generate,
+a reference forward, a reward-model forward, an actor forward+backward, a critic forward+backward) and
+a 2048^3 fp32 torch.mm (this machine's matmul rate, for the MFU). Interleaved, because this VM's speed
+drifts by tens of percent over minutes, and a floor measured in another minute compares nothing.
+Every interval records how many cores other jobs kept busy; after one they disturbed the worker waits
+(at most quiet_s) for the cores to clear. Prints one line `BENCH_JSON {...}` on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+from bench_assets import cpu_snapshot, foreign_cores, ids_crc, prompt_ids, wait_quiet
+
+
+def setup_rlflow(work: dict) -> tuple[Callable[[int], dict[str, float]], list[list[int]], dict]:
+    """Every call into rlflow lives here: its PPO API is being reworked, and this is what to adapt.
+    Returns a function running PPO step `step` (1-based) and returning its metrics, the prompt ids and
+    the resolved PPO config."""
+    from rlflow.engine.backend import make_runtime
+    from rlflow.engine.config import EngineConfig, build_config
+    from rlflow.engine.data import load_prompts
+    from rlflow.engine.evaluation import encode_prompt_set
+    from rlflow.engine.ppo import make_controller, ppo_step
+    from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
+
+    batch = work["batch"]
+    ppo = {
+        "rollout_batch": batch,
+        "mini_batch": batch,
+        "epochs": 1,
+        "max_new_tokens": work["max_new_tokens"],
+        "actor_lr": work["lr"],
+        "critic_lr": work["lr"],
+        "kl": {"controller": "fixed", "init_coef": work["kl_coef"]},
+        "whiten_advantages": True,
+        "stop_kl": None,
+        "max_grad_norm": 1.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+    cfg = build_config({"ppo": ppo, "model": {"path": work["policy"], "dtype": "float32"}}, "bench")
+    runtime = make_runtime(EngineConfig(precision="fp32"))
+    policy, rm = work["policy"], work["rm"]
+
+    def no_gold(prompt, response, **fields):
+        return 0.0  # PPO never calls the gold function (evaluation only)
+
+    inputs = PPOInputs(policy, policy, policy, rm, (0.0, 1.0), rm)
+    models = load_ppo_models(inputs, cfg.model, cfg.ppo, no_gold, runtime)
+    records = load_prompts(work["prompts"])[:batch]
+    prompts, _, _ = encode_prompt_set(models.tokenizer, records, work["max_prompt_tokens"], "truncate", "bench")
+    controller = make_controller(cfg.ppo)
+
+    def step(index: int) -> dict[str, float]:
+        return ppo_step(models, controller, cfg.ppo, prompts, work["seed"], 0, index, batch)
+
+    return step, [list(t) for t in prompts.token_ids], cfg.ppo.model_dump(mode="json")
+
+
+class Clock:
+    """Times calls, each with the cores other processes kept busy during it."""
+
+    def __init__(self, quiet_s: float):
+        self.quiet_s, self.last_foreign = quiet_s, 0.0
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[dict, object]:
+        wait_quiet(self.quiet_s, self.last_foreign)
+        before = cpu_snapshot()
+        out = fn()
+        after = cpu_snapshot()
+        self.last_foreign = foreign_cores(before, after)
+        return {"seconds": after[0] - before[0], "foreign_cores": self.last_foreign}, out
+
+
+def floor_passes(work: dict) -> tuple[dict[str, Callable[[], None]], list[list[int]]]:
+    """The cheapest this batch's PPO iteration could be with the same models and library: only the
+    passes PPO cannot skip, each on the whole batch at once, no bookkeeping between them."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(work["policy"])
+    tok.padding_side = "left"
+    ids = prompt_ids(tok, work["prompts"], work["batch"], work["max_prompt_tokens"])
+    enc = tok.pad({"input_ids": ids}, return_tensors="pt")
+    fp32 = {"dtype": torch.float32}
+    policy = AutoModelForCausalLM.from_pretrained(work["policy"], **fp32)
+    reference = AutoModelForCausalLM.from_pretrained(work["policy"], **fp32).eval()
+    reward = AutoModelForSequenceClassification.from_pretrained(work["rm"], num_labels=1, **fp32).eval()
+    critic = AutoModelForSequenceClassification.from_pretrained(work["rm"], num_labels=1, **fp32)
+    gen_cfg = GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=work["max_new_tokens"], use_cache=True
+    )
+    gen_cfg.pad_token_id, gen_cfg.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    with torch.no_grad():  # not inference_mode: these ids feed the timed backward passes
+        seqs = policy.eval().generate(**enc, generation_config=gen_cfg)
+    width = enc["input_ids"].shape[1]
+    if seqs.shape[1] - width != work["max_new_tokens"]:
+        raise SystemExit(f"floor: generate returned {seqs.shape[1] - width} new tokens")
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(seqs[:, width:])], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    policy.train(), critic.train()
+
+    def generate():
+        with torch.inference_mode():
+            policy.generate(**enc, generation_config=gen_cfg)
+
+    def values(model):
+        hidden = model.model(input_ids=seqs, attention_mask=mask, position_ids=positions).last_hidden_state
+        return model.score(hidden).squeeze(-1)
+
+    def reference_forward():
+        with torch.inference_mode():
+            reference(input_ids=seqs, attention_mask=mask, position_ids=positions, use_cache=False)
+
+    def reward_forward():
+        with torch.inference_mode():
+            values(reward)
+
+    def actor_fwd_bwd():
+        logits = policy(input_ids=seqs, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        logp = torch.log_softmax(logits[:, width - 1 : -1].float(), -1).gather(-1, seqs[:, width:, None])
+        (-logp.mean()).backward()
+        policy.zero_grad(set_to_none=True)
+
+    def critic_fwd_bwd():
+        (values(critic)[:, width - 1 : -1] ** 2).mean().backward()  # MSE against 0 returns
+        critic.zero_grad(set_to_none=True)
+
+    passes = [generate, reference_forward, reward_forward, actor_fwd_bwd, critic_fwd_bwd]
+    return {fn.__name__: fn for fn in passes}, ids
+
+
+MATMUL_N = 2048
+
+
+def main() -> None:
+    work = json.loads(sys.argv[1])
+    torch.set_num_threads(work["threads"])
+    torch.manual_seed(work["seed"])
+    step, ids, config = setup_rlflow(work)
+    passes, floor_ids = floor_passes(work)
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    passes["matmul"] = lambda: torch.mm(a, b)
+    clock, steps, timed_steps, warmup_s = Clock(work["quiet_s"]), [], [], []
+    floor: dict[str, list[dict]] = {name: [] for name in passes}
+    for index in range(1, work["warmup"] + work["updates"] + 1):
+        warm = index <= work["warmup"]
+        timing, metrics = clock(lambda: step(index))
+        steps.append(metrics)
+        # Full-length responses on both sides, or the comparison is off: the EOS is unreachable.
+        if metrics.get("response_length/mean") != work["max_new_tokens"]:
+            length = metrics.get("response_length/mean")
+            raise SystemExit(f"step {index}: response_length/mean={length}, expected {work['max_new_tokens']}")
+        if warm:
+            warmup_s.append(timing["seconds"])
+        else:
+            timed_steps.append(dict(timing, timings={k: v for k, v in metrics.items() if k.startswith("timing_s/")}))
+        for name, fn in passes.items():  # the warm-up round pays first-call costs, untimed
+            runs = clock(fn)[0]
+            if not warm:
+                floor[name].append(runs)
+    result = {
+        "side": "rlflow",
+        "update_s": [s["seconds"] for s in timed_steps],
+        "foreign_cores": [s["foreign_cores"] for s in timed_steps],
+        "timings": [s["timings"] for s in timed_steps],
+        "warmup_s": warmup_s,
+        "floor": {"parts": {k: v for k, v in floor.items() if k != "matmul"}, "matmul_runs": floor["matmul"]},
+        "matmul_flop": 2 * MATMUL_N**3,
+        "response_length": [m["response_length/mean"] for m in steps],
+        "prompt_width": max(len(row) for row in ids),
+        "prompt_ids_crc32": ids_crc(ids),
+        "floor_prompt_ids_crc32": ids_crc(floor_ids),
+        "threads": torch.get_num_threads(),
+        "config": config,
+        "size": work["size"],
+        "pid": os.getpid(),
+    }
+    print("BENCH_JSON " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
