@@ -46,9 +46,9 @@ SCORING_LOGIT_FP32_COPIES = 2
 GPU_FRAMEWORK_GIB = 1.5
 GPU_FRAGMENTATION = 0.05
 # What a CPU process holds beyond tensors once it runs PPO, above its post-import resident set:
-# allocator arenas, oneDNN scratch, generation's code and caches. `rlflow probe` measured 0.45
+# allocator arenas, oneDNN scratch, generation's code and caches. `rlflow probe` measured 0.10
 # GiB on the demo model (0.4M parameters, where nothing else counts); docs/estimate.md.
-CPU_FRAMEWORK_GIB = 0.45
+CPU_FRAMEWORK_GIB = 0.10
 # DeepSpeed's default reduce/all-gather bucket (reduce_bucket_size = 5e8 elements) in gradient
 # dtype, allocated by ZeRO's optimizer whatever the model size above it.
 ZERO_BUCKET_ELEMENTS = 5e8

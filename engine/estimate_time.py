@@ -28,6 +28,8 @@ class Efficiency:
     train_mfu: float  # model FLOPs utilisation of forward + backward
     forward_mfu: float  # of inference forwards (prefill, scoring): no backward, larger batches
     bandwidth: float  # share of memory bandwidth that streaming kernels (optimizer, weight reads) reach
+    forward_overhead_s: float  # host time per forward call outside the layers (embedding, masks, HF wrappers)
+    layer_overhead_s: float  # host time per layer per forward call (op dispatch)
 
 
 # GPU: 40% MFU is what DeepSpeed ZeRO training of 1-70B decoders typically reports on A100/H100
@@ -36,9 +38,16 @@ class Efficiency:
 # a 2048^3 matmul, not of a datasheet peak. The demo's PPO steps (runs/demo3: 2 cores) ran their
 # forwards at the calibration's rate and their training passes at ~90% of it (docs/estimate.md):
 # on two cores both are compute-bound, the narrow demo GEMMs no slower than the large one.
+# Overheads: eager PyTorch dispatch on a GPU host, ~1 ms per call and 0.3 ms per layer; on the
+# 2-core CPU `rlflow probe` measured ~10 ms per forward of the 2-layer demo model whose FLOPs take
+# well under 1 ms (a scoring pass of 32 rows: 9.6 ms; a training micro-batch: 31 ms = 3 calls).
 EFFICIENCY: dict[str, Efficiency] = {
-    "gpu": Efficiency(train_mfu=0.40, forward_mfu=0.50, bandwidth=0.7),
-    "cpu": Efficiency(train_mfu=0.90, forward_mfu=1.00, bandwidth=0.7),
+    "gpu": Efficiency(
+        train_mfu=0.40, forward_mfu=0.50, bandwidth=0.7, forward_overhead_s=1.0e-3, layer_overhead_s=0.3e-3
+    ),
+    "cpu": Efficiency(
+        train_mfu=0.90, forward_mfu=1.00, bandwidth=0.7, forward_overhead_s=4.0e-3, layer_overhead_s=3.0e-3
+    ),
 }
 
 
@@ -65,10 +74,7 @@ DECODE_ENGINES: dict[str, DecodeEngine] = {
     "hf": DecodeEngine(bandwidth_efficiency=0.6, kv_traffic=3.0, step_overhead_s=1.0e-3, layer_overhead_s=0.3e-3),
     "vllm": DecodeEngine(bandwidth_efficiency=0.8, kv_traffic=1.0, step_overhead_s=1.5e-3, layer_overhead_s=0.0),
 }
-# Host time per forward call outside the layers (embedding, masks, final norm, HF wrappers) and
-# per layer (op dispatch), eager PyTorch on CPU or GPU alike; a backward costs BACKWARD_OVERHEAD x.
-FORWARD_OVERHEAD_S = 1.0e-3
-LAYER_OVERHEAD_S = 0.3e-3
+# A backward's host overhead, in forwards' (Efficiency.forward_overhead_s / layer_overhead_s).
 BACKWARD_OVERHEAD = 2.0
 # Adam step traffic: reads master/param, gradient, m, v and writes them back, ~28 bytes per
 # parameter in one fused pass: the torch backend's fused AdamW (engine/train_state.py; 0.033 s
@@ -114,8 +120,8 @@ def collective_s(nbytes: float, n: int, device: DeviceSpec) -> float:
     return 0.0 if n <= 1 else nbytes * (n - 1) / n / (device.collective_gbs(n) * 1e9)
 
 
-def _forward_overhead(shape: ModelShape) -> float:
-    return FORWARD_OVERHEAD_S + shape.num_layers * LAYER_OVERHEAD_S
+def _forward_overhead(shape: ModelShape, eff: Efficiency) -> float:
+    return eff.forward_overhead_s + shape.num_layers * eff.layer_overhead_s
 
 
 def generation_seconds(w: Workload, s: Strategy, device: DeviceSpec, mem: MemoryEstimate) -> tuple[float, float]:
@@ -173,7 +179,7 @@ def scoring_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[float
     for shape, flop_params, params in _scoring_models(w, s):
         flops = sequence_flops(shape, flop_params, w.generate_batch, w.sequence_tokens, w.response_tokens + 1)
         per_chunk = max(flops / (peak * eff.forward_mfu), params * e / (bandwidth * eff.bandwidth))
-        compute += chunks * (per_chunk + _forward_overhead(shape))
+        compute += chunks * (per_chunk + _forward_overhead(shape, eff))
         if s.zero_stage == 3:
             gather = collective_s(params * e, s.n_gpus, device)
             gather += params * e / s.n_gpus / (device.pcie_gbs * 1e9) if s.offload_params else 0.0
@@ -204,7 +210,7 @@ def training_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[floa
         (w.critic, w.critic.scalar_flop_params, w.critic.scalar_params),
     ):
         flops = passes * sequence_flops(shape, flop_params, rows, w.sequence_tokens, w.response_tokens + 1)
-        compute += flops / (peak * eff.train_mfu) + micro * overhead_calls * _forward_overhead(shape)
+        compute += flops / (peak * eff.train_mfu) + micro * overhead_calls * _forward_overhead(shape, eff)
         partition = params / (n if s.zero_stage >= 1 else 1)
         adam_gbs = HOST_ADAM_GBS * 1e9 if s.offload_optimizer else bandwidth * eff.bandwidth
         adam_passes = ADAM_PASSES["fused" if s.zero_stage == 0 else "per-tensor"]
