@@ -14,16 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from rlflow.engine.config_base import FunctionRef, Section, function_ref
+from rlflow.engine.config_methods import AlgorithmConfig, DPOConfig, RewardConfig
 from rlflow.engine.config_yaml import locator, parse_yaml, read_text
 from rlflow.engine.errors import ConfigError
 from rlflow.engine.secrets import REDACTED, is_secret_path, redact_override, redacted_dict
 
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class RunConfig(Section):
@@ -152,22 +150,6 @@ class EvalConfig(Section):
     num_logged_samples: int = Field(12, ge=0)
 
 
-class FunctionRef(Section):
-    fn: str  # "package.module:function"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("fn")
-    @classmethod
-    def _module_function(cls, value: str) -> str:
-        return function_ref(value)
-
-
-def function_ref(value: str) -> str:
-    if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
-        raise ValueError(f"{value!r} must look like 'package.module:function'")
-    return value
-
-
 class LabelConfig(Section):
     labeller: FunctionRef = Field(
         default_factory=lambda: FunctionRef(fn="rlflow.engine.demo_task:noisy_gold_labeller", kwargs={"noise": 0.1})
@@ -245,19 +227,6 @@ class AlertsConfig(Section):
     timeout_s: float = Field(10.0, gt=0)
 
 
-class RewardConfig(Section):
-    """What PPO does when its reward source fails."""
-
-    on_failure: Literal["pause", "fallback_rule", "fail"] = "pause"
-    fallback_rule: FunctionRef | None = None  # a rule reward (score signature of gold.fn) for fallback_rule
-
-    @model_validator(mode="after")
-    def _rule_given(self) -> RewardConfig:
-        if self.on_failure == "fallback_rule" and self.fallback_rule is None:
-            raise ValueError("reward.on_failure=fallback_rule needs reward.fallback_rule.fn (a 'module:function')")
-        return self
-
-
 class TrackingConfig(Section):
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///{root}/mlflow.db
     experiment: str = "rlflow"
@@ -310,7 +279,8 @@ class RolloutConfig(Section):
 
     mode: Literal["colocated", "server"] = "colocated"
     server_backend: Literal["hf", "vllm"] = "hf"
-    generate_batch: int = Field(32, ge=1)  # prompts sampled together under one seed (world-size independent)
+    generate_batch: int = Field(32, ge=1)  # sequences sampled together under one seed (world-size independent)
+    n: int = Field(1, ge=1, le=1024)  # samples per prompt (a group: GRPO and RLOO need n >= 2)
     bucket_mb: float = Field(256.0, gt=0)  # weight-sync bucket size (MB)
     check_fingerprint: bool = True
     probe_rows: int = Field(4, ge=1)  # worker samples whose log-probs the trainer recomputes after a sync
@@ -332,7 +302,9 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     label: LabelConfig = Field(default_factory=LabelConfig)
     gold: FunctionRef = Field(default_factory=lambda: FunctionRef(fn="rlflow.engine.demo_task:gold_score"))
@@ -363,11 +335,17 @@ class Config(Section):
                 f"resources.nproc_per_node={self.resources.nproc_per_node} x resources.nnodes={self.resources.nnodes}"
                 " needs engine.backend=deepspeed (the torch backend runs one process)"
             )
+        algorithm, n = self.algorithm.name, self.rollout.n
+        if algorithm in ("grpo", "rloo") and n < 2:
+            raise ValueError(
+                f"algorithm.name={algorithm} compares the samples of one prompt with each other: it needs"
+                f" rollout.n >= 2 samples per prompt (got {n}); e.g. rollout.n=4"
+            )
         world = self.resources.world_size
         # Every rank needs rows in every pass (ZeRO's collectives run in each forward and backward).
         shares = {
-            "ppo.rollout_batch / rollout.generate_batch chunks": -(
-                -self.ppo.rollout_batch // self.rollout.generate_batch
+            "ppo.rollout_batch x rollout.n / rollout.generate_batch chunks": -(
+                -self.ppo.rollout_batch * n // self.rollout.generate_batch
             ),
             "eval.num_prompts / eval.batch_size chunks": -(-self.eval.num_prompts // self.eval.batch_size),
             "ppo.mini_batch": self.ppo.mini_batch,
@@ -386,8 +364,12 @@ class Config(Section):
 def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
     for part in path:
+        if isinstance(part, int):  # an item of a list of sections (reward.sources)
+            continue
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
+        if getattr(annotation, "__origin__", None) is list:
+            annotation = annotation.__args__[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         model = annotation
