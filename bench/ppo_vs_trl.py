@@ -1,6 +1,6 @@
-"""rlflow's PPO against TRL 1.12's PPO, side by side on this CPU, on one identical workload (`make bench`).
+"""rlflow's PPO and GRPO against TRL 1.12's, side by side on this CPU, on identical workloads (`make bench`).
 
-    python bench/ppo_vs_trl.py [--reps 2] [--updates N] [--sizes tiny,50m] [--out bench/results]
+    python bench/ppo_vs_trl.py [--reps 2] [--updates N] [--sizes tiny,50m] [--algos ppo,grpo] [--out bench/results]
 
 Per size ("tiny": the demo Llama, 64 prompts; "50m": a ~50M-parameter Llama, 8 prompts; 32 new tokens
 each, always full length) it runs fresh worker processes, alternating rlflow and TRL for --reps
@@ -12,8 +12,12 @@ MFU against this machine's fp32 matmul rate, measured there too; it writes every
 the workers record how many cores other jobs kept busy during each update (after one they disturbed,
 they wait a few seconds at most for the cores to clear), and the figures are medians over the quiet
 updates (others under 0.3 cores) when there are enough of them, else over all (flagged "contended").
-The last line printed is
+GRPO (grpo_bench.py: B prompts x 4 generations, tiny 16 x 4, 50m 2 x 4; one optimizer step per iteration,
+KL as a loss term) runs the same way, after the PPO pairs of each size, and reports the same per-side figures
+(a sample is one prompt x generation) and rlflow's phases; no floor or MFU. The last line printed is
     RESULT ppo_vs_trl=<rlflow/TRL samples/s at 50m> ppo_vs_trl_tiny=<at tiny> floor_ratio=<50m> mfu_cpu=<50m>
+           grpo_vs_trl=<rlflow/TRL GRPO samples/s at 50m> grpo_vs_trl_tiny=<at tiny>
+(one line; nan for what --algos or --sizes left out).
 TRL comes from .bench/trl (PYTHONPATH), never from the project's environment.
 """
 
@@ -26,17 +30,13 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from bench_assets import build as build_assets
-from bench_assets import QUIET_CORES, cpu_snapshot
+from grpo_bench import GRPO_NOTES, GRPO_SIZES, GRPO_WORKLOAD, print_grpo_size, run_grpo_size
+from harness import REPO, THREADS, TRL_PATH, phase_medians, print_sides, quiet_only, run_worker, side_summary
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-TRL_PATH = REPO / ".bench" / "trl"
-THREADS = 2
 SIZES = {"tiny": {"batch": 64, "updates": 6}, "50m": {"batch": 8, "updates": 4}}
 WORKLOAD = {  # identical on both sides; see the workers for how each side is configured
     "max_new_tokens": 32,
@@ -68,7 +68,7 @@ NOTES = [
     "Figures are medians over updates during which other processes kept under 0.3 cores busy (/proc/stat "
     "minus the worker's own CPU time), when at least two and a third of them were; else over all updates.",
 ]
-GRPO_SKIPPED = "skipped — rlflow has no GRPO yet (the algorithms issue)"
+ALGOS = ("ppo", "grpo")
 FLOP_FORMULA = (
     "per update, for each of actor and critic: 6 * N * T + 12 * L * H * W * T, where T = B * W tokens "
     "(W = padded prompt width + 32, the width every pass computes), N = non-embedding params + output head "
@@ -111,96 +111,6 @@ def versions() -> dict:
         "rlflow_engine_uncommitted_changes": bool(diff),
         "rlflow_engine_diff_crc32": __import__("zlib").crc32(diff.encode()) if diff else None,
     }
-
-
-def busy_cores(seconds: float = 1.0) -> float:
-    """Cores busy over the next `seconds` (every process on the machine, ours included)."""
-    wall0, busy0, _ = cpu_snapshot()
-    time.sleep(seconds)
-    wall1, busy1, _ = cpu_snapshot()
-    return (busy1 - busy0) / (wall1 - wall0)
-
-
-def wait_for_quiet(limit_s: float, threshold: float = 0.3) -> dict:
-    """Wait (at most limit_s) until other jobs leave the cores idle: with 2 OpenMP threads on 2 cores,
-    one stolen core stalls every parallel region, and one busy neighbour can slow a run several times."""
-    started, seen = time.monotonic(), []
-    while True:
-        seen.append(round(busy_cores(), 2))
-        if seen[-1] < threshold or time.monotonic() - started >= limit_s:
-            return {"waited_s": round(time.monotonic() - started, 1), "busy_cores_seen": seen[-5:]}
-
-
-# -- workers -----------------------------------------------------------------------------------------
-
-
-def worker_env(trl: bool) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false")
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != TRL_PATH]
-    if trl:
-        env["TRL_EXPERIMENTAL_SILENCE"] = "1"
-        paths.insert(0, str(TRL_PATH))
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
-def run_worker(script: str, work: dict, quiet_s: float) -> dict:
-    quiet = wait_for_quiet(quiet_s)
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(HERE / script), json.dumps(work)],
-        env=worker_env(script.startswith("trl")),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_JSON ")]
-    if proc.returncode or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{script} ({work['size']}, rep {work['rep']}) failed with exit code {proc.returncode}")
-    result = json.loads(lines[-1][len("BENCH_JSON ") :])
-    result.update(process_wall_s=time.monotonic() - started, quiet_wait=quiet)
-    return result
-
-
-# -- summaries ---------------------------------------------------------------------------------------
-
-
-def spread(values: list[float]) -> dict:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "iqr": [q[0], q[2]]}
-
-
-def quiet_only(samples: list, foreign: list[float]) -> tuple[list, bool]:
-    """The samples taken while other jobs held under QUIET_CORES cores, when there are enough of them
-    (two, and a third of all) to stand for the side; else all of them, flagged as contended."""
-    quiet = [x for x, f in zip(samples, foreign) if f < QUIET_CORES]
-    enough = len(quiet) >= max(2, len(samples) / 3)
-    return (quiet, True) if enough else (list(samples), False)
-
-
-def side_summary(runs: list[dict], batch: int, new_tokens: int) -> dict:
-    seconds = [s for run in runs for s in run["update_s"]]
-    foreign = [f for run in runs for f in run["foreign_cores"]]
-    chosen, quiet = quiet_only(seconds, foreign)
-    stats = spread(chosen)
-    return {
-        "update_s": stats,
-        "samples_per_s": batch / stats["median"],
-        "tokens_per_s": batch * new_tokens / stats["median"],
-        "basis": f"{len(chosen)}/{len(seconds)} quiet updates" if quiet else f"all {len(seconds)} updates (contended)",
-        "all_updates_s": spread(seconds),
-        "rep_medians_s": [statistics.median(run["update_s"]) for run in runs],
-        "foreign_cores_mean_per_rep": [statistics.fmean(run["foreign_cores"]) for run in runs],
-    }
-
-
-def phase_medians(runs: list[dict]) -> dict:
-    steps, _ = quiet_only(
-        [s for run in runs for s in run["timings"]], [f for run in runs for f in run["foreign_cores"]]
-    )
-    keys = sorted({k for step in steps for k in step})
-    return {k: statistics.median([s[k] for s in steps if k in s]) for k in keys}
 
 
 def floor_figures(rlflow_runs: list[dict]) -> tuple[dict, dict, float]:
@@ -285,15 +195,7 @@ def summarize(size: str, runs: dict, params: dict) -> dict:
 def print_size(size: str, s: dict, reps: int, updates: int) -> None:
     new = WORKLOAD["max_new_tokens"]
     print(f"\n== {size}: B={s['batch']} prompts x {new} new tokens, {updates} timed updates x {reps} reps per side ==")
-    head = f"{'side':8s} {'samples/s':>10s} {'tokens/s':>10s} {'s/update median [min-max]':>28s}"
-    print(f"{head}  {'measured on':28s} {'all updates: median [min-max]':30s} other jobs, cores/rep")
-    for name, side in s["sides"].items():
-        u, a = side["update_s"], side["all_updates_s"]
-        span = f"{u['median']:.3f} [{u['min']:.3f}-{u['max']:.3f}]"
-        every = f"{a['median']:.3f} [{a['min']:.3f}-{a['max']:.3f}]"
-        row = f"{name:8s} {side['samples_per_s']:10.2f} {side['tokens_per_s']:10.1f} {span:>28s}"
-        others = " ".join(f"{v:.2f}" for v in side["foreign_cores_mean_per_rep"])
-        print(f"{row}  {side['basis']:28s} {every:30s} {others}")
+    print_sides(s["sides"])
     print(f"ratio rlflow/TRL samples/s: {s['ratio_samples_per_s']:.3f}  (>1: rlflow faster)")
     phases = "  ".join(f"{k.removeprefix('timing_s/')} {v:.3f}" for k, v in s["rlflow_phases_median_s"].items())
     print(f"rlflow phases, median s: {phases}")
@@ -348,40 +250,71 @@ def run_size(size: str, assets: dict, reps: int, updates: int | None, quiet_s: f
     return raw, summarize(size, runs, assets[size]["params"]), n_updates
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--updates", type=int, default=None, help="timed updates per worker (default: 6 tiny, 4 50m)")
     parser.add_argument("--sizes", default="tiny,50m")
+    parser.add_argument("--algos", default="ppo,grpo", help="which comparisons to run (default: both)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--quiet-wait", type=float, default=5.0, help="max s to wait for idle cores per worker")
     args = parser.parse_args()
-    sizes = [s for s in args.sizes.split(",") if s]
-    if unknown := set(sizes) - set(SIZES):
+    args.sizes = [s for s in args.sizes.split(",") if s]
+    if unknown := set(args.sizes) - set(SIZES):
         parser.error(f"unknown sizes {sorted(unknown)}; known: {', '.join(SIZES)}")
+    args.algos = [a for a in args.algos.split(",") if a]
+    if not args.algos or set(args.algos) - set(ALGOS):
+        parser.error(f"--algos {','.join(args.algos)!r}: give one or more of {', '.join(ALGOS)}")
+    return args
+
+
+def run_all(args: argparse.Namespace, assets: dict, report: dict) -> None:
+    """Per size: the PPO pairs, then the GRPO pairs (each alternating rlflow and TRL, fresh processes)."""
+    grpo = report["grpo"]
+    for size in args.sizes:
+        if "ppo" in args.algos:
+            raw, summary, n_updates = run_size(size, assets, args.reps, args.updates, args.quiet_wait)
+            report["raw"][size], report["sizes"][size] = raw, summary
+            print_size(size, summary, args.reps, n_updates)
+        if "grpo" in args.algos:
+            raw, summary, n_updates = run_grpo_size(size, assets, WORKLOAD, args.reps, args.updates, args.quiet_wait)
+            grpo["raw"][size], grpo["sizes"][size] = raw, summary
+            print_grpo_size(size, summary, args.reps, n_updates)
+
+
+def main() -> None:
+    args = parse_args()
     if not (TRL_PATH / "trl").is_dir():
         raise SystemExit(f"TRL is not installed in {TRL_PATH}: run `make bench` (it installs it there once)")
     started = time.monotonic()
     os.chdir(REPO)
     assets = build_assets()
     report = {"machine": machine(), "versions": versions(), "notes": NOTES, "sizes": {}, "raw": {}}
-    for size in sizes:
-        raw, summary, n_updates = run_size(size, assets, args.reps, args.updates, args.quiet_wait)
-        report["raw"][size], report["sizes"][size] = raw, summary
-        print_size(size, summary, args.reps, n_updates)
-    trl_runs = [r for raw in report["raw"].values() for r in raw["runs"]["trl"]]
+    report["grpo"] = {"notes": GRPO_NOTES, "sizes": {}, "raw": {}}
+    run_all(args, assets, report)
+    raws = [*report["raw"].values(), *report["grpo"]["raw"].values()]
+    trl_runs = [r for raw in raws for r in raw["runs"]["trl"]]
     report["versions"]["trl"] = trl_runs[0]["trl_version"] if trl_runs else None
-    report["settings"] = {"workload": WORKLOAD, "sizes": SIZES, "reps": args.reps, "updates": args.updates}
-    report["grpo_vs_trl"] = GRPO_SKIPPED
-    print(f"\ngrpo_vs_trl: {GRPO_SKIPPED}")
+    report["settings"] = {
+        "workload": WORKLOAD,
+        "sizes": SIZES,
+        "grpo_workload": GRPO_WORKLOAD,
+        "grpo_sizes": GRPO_SIZES,
+        "algos": args.algos,
+        "reps": args.reps,
+        "updates": args.updates,
+    }
     report["machine"]["load_average_end"] = os.getloadavg()
     report["wall_s"] = time.monotonic() - started
     get = lambda size, *keys: _dig(report["sizes"].get(size), keys)  # noqa: E731
-    report["result"] = {
+    get_grpo = lambda size: _dig(report["grpo"]["sizes"].get(size), ("ratio_samples_per_s",))  # noqa: E731
+    report["result"] = {  # the PPO keys first and unchanged: scripts read this line
         "ppo_vs_trl": get("50m", "ratio_samples_per_s"),
         "ppo_vs_trl_tiny": get("tiny", "ratio_samples_per_s"),
         "floor_ratio": get("50m", "floor_ratio"),
         "mfu_cpu": get("50m", "mfu", "mfu_cpu"),
+        "grpo_vs_trl": get_grpo("50m"),
+        "grpo_vs_trl_tiny": get_grpo("tiny"),
     }
     path = write_json(Path(args.out), report)
     print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path} ({report['wall_s']:.0f} s)")
