@@ -1,5 +1,6 @@
-"""What a PPO run will cost before it starts: memory per GPU, time per step, GPU-hours, money,
-and the cheapest way to spread it over GPUs that fits.
+"""What a training stage will cost before it starts: memory per GPU, time per step, GPU-hours,
+money, and the cheapest way to spread it over GPUs that fits. The RL stage for every
+algorithm.name (PPO, GRPO, RLOO, REINFORCE++: a Workload) or the DPO stage (a DPOWorkload).
 
 Pure arithmetic over typed inputs: the model shapes (estimate_model), the device and its price
 (estimate_hardware), the workload and strategy (estimate_workload); memory (estimate_memory) and
@@ -13,9 +14,15 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from rlflow.engine.estimate_hardware import DeviceSpec
-from rlflow.engine.estimate_memory import GIB, MemoryEstimate, estimate_memory, vllm_gpus_needed
-from rlflow.engine.estimate_time import StepTime, estimate_step_time
-from rlflow.engine.estimate_workload import OFFLOADS, BackendPrecisions, Strategy, Workload
+from rlflow.engine.estimate_memory import (
+    GIB,
+    MemoryEstimate,
+    estimate_dpo_memory,
+    estimate_memory,
+    vllm_gpus_needed,
+)
+from rlflow.engine.estimate_time import StepTime, estimate_dpo_step_time, estimate_step_time
+from rlflow.engine.estimate_workload import OFFLOADS, AnyWorkload, BackendPrecisions, DPOWorkload, Strategy, Workload
 
 # A plan fits when its peak stays this share below the device's memory: allocator spikes,
 # NCCL buffers that grow with the world size and the estimate's own error need the room.
@@ -29,7 +36,7 @@ COST_TIE = 0.05
 class Estimate:
     """One workload under one strategy on one device type."""
 
-    workload: Workload
+    workload: AnyWorkload
     strategy: Strategy
     device: DeviceSpec
     memory: MemoryEstimate
@@ -37,6 +44,7 @@ class Estimate:
     steps: int
     gpus_billed: int  # training GPUs + a vLLM server's own GPUs
     currency: str
+    setup_s: float = 0.0  # seconds once per stage besides the steps: DPO's reference pass
 
     @property
     def usable_bytes(self) -> float:
@@ -57,7 +65,7 @@ class Estimate:
 
     @property
     def total_hours(self) -> float:
-        return self.step.total * self.steps / 3600
+        return (self.step.total * self.steps + self.setup_s) / 3600
 
     @property
     def gpu_hours(self) -> float:
@@ -68,8 +76,11 @@ class Estimate:
         return self.gpu_hours * self.device.price_per_gpu_hour
 
 
-def estimate_ppo(w: Workload, s: Strategy, device: DeviceSpec, currency: str) -> Estimate:
-    """Memory, time and cost of `w` run under `s` on `device` GPUs priced in `currency`."""
+def estimate_ppo(w: AnyWorkload, s: Strategy, device: DeviceSpec, currency: str) -> Estimate:
+    """Memory, time and cost of `w` run under `s` on `device` GPUs priced in `currency`: the RL
+    stage of any algorithm (a Workload), or the DPO stage (a DPOWorkload: estimate_dpo)."""
+    if isinstance(w, DPOWorkload):
+        return estimate_dpo(w, s, device, currency)
     memory = estimate_memory(w, s, device)
     return Estimate(
         workload=w,
@@ -83,6 +94,13 @@ def estimate_ppo(w: Workload, s: Strategy, device: DeviceSpec, currency: str) ->
     )
 
 
+def estimate_dpo(w: DPOWorkload, s: Strategy, device: DeviceSpec, currency: str) -> Estimate:
+    """Memory, time and cost of the DPO stage: w.steps optimizer steps plus the reference pass once."""
+    step, reference_s = estimate_dpo_step_time(w, s, device)
+    memory = estimate_dpo_memory(w, s, device)
+    return Estimate(w, s, device, memory, step, w.steps, s.n_gpus, currency, setup_s=reference_s)
+
+
 @dataclass(frozen=True)
 class Recommendation:
     best: Estimate | None  # None: nothing fits
@@ -90,26 +108,24 @@ class Recommendation:
     candidates: int  # plans considered
 
 
-def workload_for(w: Workload, n_gpus: int) -> Workload | None:
-    """`w` runnable on n ranks: rollout.generate_batch shrunk (to rollout_batch // n) when there are
-    fewer sampling chunks than ranks; None when the mini-batch itself is too small to share."""
-    if w.mini_batch < n_gpus or w.rollout_batch < n_gpus:
-        return None
-    if w.rank_shares_problem(n_gpus):
-        w = replace(w, generate_batch=w.rollout_batch // n_gpus)
+def workload_for(w: AnyWorkload, n_gpus: int) -> AnyWorkload | None:
+    """`w` runnable on n ranks: rollout.generate_batch shrunk (to the step's rows // n) when there
+    are fewer sampling chunks than ranks; None when the mini-batch itself is too small to share."""
+    if isinstance(w, Workload) and w.mini_batch >= n_gpus and w.rank_shares_problem(n_gpus):
+        w = replace(w, generate_batch=w.rows // n_gpus)
     return None if w.rank_shares_problem(n_gpus) else w
 
 
 def candidate_plans(
-    w: Workload, device: DeviceSpec, max_gpus: int, base: Strategy, precisions: BackendPrecisions | None = None
-) -> list[tuple[Workload, Strategy]]:
+    w: AnyWorkload, device: DeviceSpec, max_gpus: int, base: Strategy, precisions: BackendPrecisions | None = None
+) -> list[tuple[AnyWorkload, Strategy]]:
     """Every runnable plan up to `max_gpus` training GPUs: the torch backend on one device,
     DeepSpeed ZeRO 1-3 x offload x GPU counts (powers of two) whose ranks all get a share of the
     batch, each in its backend's precision (`precisions`; None: all in w.precision). Gradient
     checkpointing and frozen-model offload stay as configured (`base`); a vLLM server on its own
     GPUs gets as many as it needs (vllm_gpus_needed), on top of max_gpus."""
 
-    def adapted(pw: Workload, stage: int) -> Workload:
+    def adapted(pw: AnyWorkload, stage: int) -> AnyWorkload:
         pw = replace(pw, precision=precisions.for_stage(stage)) if precisions else pw
         return replace(pw, rollout_gpus=vllm_gpus_needed(pw, device)) if pw.rollout_gpus else pw
 
@@ -123,7 +139,7 @@ def candidate_plans(
 
 
 def recommend(
-    w: Workload,
+    w: AnyWorkload,
     device: DeviceSpec,
     currency: str,
     max_gpus: int,
@@ -151,9 +167,18 @@ def _params(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def _states_bytes(w: Workload) -> float:
-    """Weights + gradients + optimizer states of actor and critic together, unpartitioned."""
-    return (w.actor.lm_params + w.critic.scalar_params) * w.precision.model_state_bytes
+def _states_bytes(w: AnyWorkload) -> float:
+    """Weights + gradients + optimizer states of the trained models together, unpartitioned."""
+    return w.trainable_params * w.precision.model_state_bytes
+
+
+def _trained_models(w: AnyWorkload) -> str:
+    """e.g. "the 7.00B actor and 0.50B critic", "the 0.50B actor (no critic)", "the 7.00B policy"."""
+    if isinstance(w, DPOWorkload):
+        return f"the {_params(w.actor.lm_params)} policy"
+    if w.critic is None:
+        return f"the {_params(w.actor.lm_params)} actor (no critic)"
+    return f"the {_params(w.actor.lm_params)} actor and {_params(w.critic_params)} critic"
 
 
 def why_not(e: Estimate) -> str:
@@ -168,14 +193,13 @@ def why_not(e: Estimate) -> str:
     )
 
 
-def recommendation_reason(best: Estimate, estimates: list[Estimate], w: Workload) -> str:
+def recommendation_reason(best: Estimate, estimates: list[Estimate], w: AnyWorkload) -> str:
     """Why this plan: what the model states need, and the nearest simpler plan that does not fit."""
     bw = best.workload
     states = (
-        f"weights+gradients+optimizer of the {_params(bw.actor.lm_params)} actor and"
-        f" {_params(bw.critic.scalar_params)} critic need {_gib(_states_bytes(bw))} ({bw.precision.name})"
+        f"weights+gradients+optimizer of {_trained_models(bw)} need {_gib(_states_bytes(bw))} ({bw.precision.name})"
     )
-    if bw.generate_batch != w.generate_batch:
+    if isinstance(bw, Workload) and isinstance(w, Workload) and bw.generate_batch != w.generate_batch:
         states += f", with rollout.generate_batch={bw.generate_batch} so every rank samples a chunk"
     if bw.rollout_gpus != w.rollout_gpus:
         states += f", with the vLLM server on {bw.rollout_gpus} GPUs (tensor_parallel_size={bw.rollout_gpus})"
@@ -200,6 +224,11 @@ def nothing_fits(estimates: list[Estimate], device: DeviceSpec, max_gpus: int) -
     states_bound = sum(v for k, v in parts.items() if k.endswith("_weights") or k in ("gradients", "optimizer_states"))
     if closest.memory.peak.total <= closest.usable_bytes:
         fix = "use nodes with more host RAM, or less offload over more GPUs (--max-gpus)"
+    elif batch_bound >= states_bound and isinstance(closest.workload, DPOWorkload):
+        fix = (
+            "shrink the per-pass batch: engine.micro_batch_size=1, engine.gradient_checkpointing=true,"
+            " or a smaller dpo.max_seq_tokens"
+        )
     elif batch_bound >= states_bound:
         fix = (
             "shrink the per-pass batch: engine.micro_batch_size=1, engine.gradient_checkpointing=true,"

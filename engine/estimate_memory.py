@@ -1,9 +1,14 @@
-"""Device memory of a PPO step, per GPU, by component and phase (bytes throughout).
+"""Device memory of an RL step or of the DPO stage, per GPU, by component and phase (bytes throughout).
 
-Phases are sequential, so the peak is the largest phase, not the sum of everything:
+Phases are sequential, so the peak is the largest phase, not the sum of everything. RL stage
+(every algorithm.name; a critic-free one has no critic states, values or critic activations; no
+learned reward model: no reward weights):
 - rollout: the actor samples `generate_batch` rows (KV cache) while every resident state waits;
-- scoring: actor, reference, critic and reward model run forward passes over a chunk (logits);
+- scoring: actor, reference, critic and reward model(s) run forward passes over a chunk (logits);
 - training: actor and critic take turns (fwd + bwd of a micro-batch): gradients and activations.
+DPO (estimate_dpo_memory):
+- reference: the frozen reference alone scores pass_pairs pairs per forward (the policy loads after);
+- training: the policy's states and a micro-batch of 2 x pairs sequences; the reference is freed.
 
 Formulas (e = activation bytes, the weights' dtype; t = tokens in a micro-batch or chunk):
 - model states (ZeRO paper, Rajbhandari et al. 2019): weights / gradients / optimizer states per
@@ -30,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 
 from rlflow.engine.estimate_hardware import DeviceSpec
 from rlflow.engine.estimate_model import ModelShape
-from rlflow.engine.estimate_workload import Precision, Strategy, Workload
+from rlflow.engine.estimate_workload import AnyWorkload, DPOWorkload, Precision, Strategy, Workload
 
 GIB = 2**30
 # fp32 [rows x response x vocab] tensors alive at once in an actor training micro-batch (the upcast
@@ -40,6 +45,10 @@ GIB = 2**30
 LOGIT_FP32_COPIES = 6
 # Scoring passes need no entropy and keep no autograd graph: the upcast and its log_softmax.
 SCORING_LOGIT_FP32_COPIES = 2
+# fp32 [sequences x tokens x vocab] tensors alive at once in a DPO training micro-batch
+# (engine/dpo.py sequence_logps: logits of every position, not only a response's): the upcast,
+# cross_entropy's log_softmax output kept for backward and, in backward, its gradient.
+DPO_LOGIT_FP32_COPIES = 3
 # CUDA context, cuBLAS/NCCL workspaces and allocator slack that no tensor accounts for, per GPU
 # process (a CUDA context alone is 0.3-0.6 GiB on A100/H100), plus caching-allocator
 # fragmentation as a share of the tensors.
@@ -146,14 +155,15 @@ def partitioned_states(params: float, p: Precision, zero_stage: int, n: int) -> 
 
 
 def resident_states(w: Workload, s: Strategy) -> _Resident:
-    """Weights, gradients and optimizer states per GPU under ZeRO stage / offload (see docstring)."""
+    """Weights, gradients and optimizer states per GPU under ZeRO stage / offload (see docstring);
+    a critic-free workload has no critic, one without learned reward models no reward weights."""
     p, n = w.precision, s.n_gpus
-    trainable = w.actor.lm_params + w.critic.scalar_params
+    trainable = w.trainable_params
     params = {
         "actor": w.actor.lm_params,
-        "critic": w.critic.scalar_params,
+        "critic": w.critic_params,
         "reference": w.reference.lm_params,
-        "reward": w.reward.scalar_params,
+        "reward": sum(r.scalar_params for r in w.rewards),
     }
     weight_share = 1 / n if s.zero_stage == 3 else 1.0
     weights = {name: count * p.weight_bytes * weight_share for name, count in params.items()}
@@ -163,7 +173,7 @@ def resident_states(w: Workload, s: Strategy) -> _Resident:
         weights = dict.fromkeys(weights, 0.0)
     _, gradients, optimizer = partitioned_states(trainable, p, s.zero_stage, n)
     if s.zero_stage == 0:  # the torch backend frees each model's gradients at its optimizer step
-        gradients = max(w.actor.lm_params, w.critic.scalar_params) * p.grad_bytes
+        gradients = max(w.actor.lm_params, w.critic_params) * p.grad_bytes
     if s.offload_optimizer:  # ZeRO-Offload: optimizer states and fp32 gradient partitions on the host
         host += optimizer + trainable * 4 / n
         optimizer, gradients = 0.0, 0.0
@@ -176,13 +186,12 @@ def _frozen_away(s: Strategy, on_gpu: bool) -> bool:
     return s.offload_frozen_models and on_gpu and s.zero_stage != 3
 
 
-def zero_gathered_bytes(w: Workload, s: Strategy) -> float:
+def zero_gathered_bytes(w: AnyWorkload, s: Strategy) -> float:
     """ZeRO-3 gathers each module's parameters before it runs and prefetches the next: about two
     decoder layers plus the vocab matrix of the largest model, whole, in weight dtype."""
     if s.zero_stage != 3 or (s.n_gpus == 1 and not s.offload_params):
         return 0.0
-    shapes = (w.actor, w.critic, w.reference, w.reward)
-    return max(2 * m.layer_params + m.vocab_size * m.hidden_size for m in shapes) * w.precision.weight_bytes
+    return max(2 * m.layer_params + m.vocab_size * m.hidden_size for m in w.shapes) * w.precision.weight_bytes
 
 
 @dataclass(frozen=True)
@@ -199,17 +208,17 @@ class RolloutMemory:
 
 def rollout_memory(w: Workload, device: DeviceSpec) -> RolloutMemory:
     """KV cache and sampler weights: HF generate keeps generate_batch rows; vLLM keeps as many of the
-    batch's rows as its KV-cache space holds (all, when it shares the training GPUs)."""
+    batch's rows (prompts x rollout.n) as its KV-cache space holds (all, when it shares the training GPUs)."""
     e = w.precision.weight_bytes
     row_kv = kv_cache_bytes(w.actor, 1, w.sequence_tokens, e)
     if w.rollout_engine == "hf":
         return RolloutMemory(row_kv * w.generate_batch, 0.0, 0.0, 0.0, w.generate_batch)
     weights = w.actor.lm_params * e
     if w.rollout_gpus == 0:
-        return RolloutMemory(0.0, weights + row_kv * w.rollout_batch, 0.0, 0.0, w.rollout_batch)
+        return RolloutMemory(0.0, weights + row_kv * w.rows, 0.0, 0.0, w.rows)
     capacity = VLLM_MEMORY_SHARE * device.memory_gib * GIB * w.rollout_gpus
     room = capacity - weights - GPU_FRAMEWORK_GIB * GIB * w.rollout_gpus
-    concurrency = int(min(w.rollout_batch, max(0.0, room) // row_kv))
+    concurrency = int(min(w.rows, max(0.0, room) // row_kv))
     used = weights + GPU_FRAMEWORK_GIB * GIB * w.rollout_gpus + row_kv * max(1, concurrency)
     return RolloutMemory(0.0, 0.0, used, capacity, concurrency)
 
@@ -220,7 +229,7 @@ def vllm_gpus_needed(w: Workload, device: DeviceSpec, most: int = 8) -> int:
     hold the weights and one row, else `most`."""
     counts = [k for k in (1, 2, 4, 8, 16) if max(1, w.rollout_gpus) <= k <= max(most, w.rollout_gpus)]
     options = [(k, rollout_memory(replace(w, rollout_gpus=k), device).concurrency) for k in counts]
-    whole = [k for k, rows in options if rows >= w.rollout_batch]
+    whole = [k for k, rows in options if rows >= w.rows]
     some = [k for k, rows in options if rows >= 1]
     return (whole or some or [counts[-1]])[0]
 
@@ -256,7 +265,7 @@ def estimate_memory(w: Workload, s: Strategy, device: DeviceSpec) -> MemoryEstim
     tokens = rows * w.sequence_tokens
     actor_act = training_activation_bytes(w.actor, tokens, e, s.gradient_checkpointing)
     actor_logits = actor_logit_bytes(w.actor, rows, w, e, LOGIT_FP32_COPIES)
-    critic_act = training_activation_bytes(w.critic, tokens, e, s.gradient_checkpointing)
+    critic_act = training_activation_bytes(w.critic, tokens, e, s.gradient_checkpointing) if w.critic else 0.0
     actor_turn = actor_act + actor_logits >= critic_act
     training_parts = dict(
         activations=actor_act if actor_turn else critic_act, logits=actor_logits if actor_turn else 0.0, kv_cache=0.0
@@ -265,46 +274,101 @@ def estimate_memory(w: Workload, s: Strategy, device: DeviceSpec) -> MemoryEstim
         training_parts.update(activations=actor_act + critic_act, logits=actor_logits)
     buckets = 0.0
     if s.zero_stage >= 1 and on_gpu:
-        largest = max(w.actor.lm_params, w.critic.scalar_params)
+        largest = max(w.actor.lm_params, w.critic_params)
         buckets = min(ZERO_BUCKET_ELEMENTS, largest) * w.precision.grad_bytes
-    phases = []
-    for phase, parts, model_weights, grads, phase_buckets in (
-        ("rollout", rollout_parts, weights, 0.0, 0.0),
-        ("scoring", scoring_parts, weights, 0.0, 0.0),
-        ("training", training_parts, w_train, res.gradients, buckets),
-    ):
-        tensors = sum(model_weights.values()) + grads + res.optimizer + gathered + sum(parts.values())
-        tensors += roll.server_on_trainer
-        phases.append(
-            PhaseMemory(
-                phase=phase,
-                actor_weights=model_weights["actor"],
-                critic_weights=model_weights["critic"],
-                reference_weights=model_weights["reference"],
-                reward_weights=model_weights["reward"],
-                gradients=grads,
-                optimizer_states=res.optimizer,
-                zero_gathered=gathered,
-                rollout_server=roll.server_on_trainer,
-                framework_overhead=_overhead(tensors, device, phase_buckets),
-                **parts,
-            )
-        )
+    shared = dict(optimizer=res.optimizer, gathered=gathered, server=roll.server_on_trainer, device=device)
+    phases = (
+        _phase("rollout", rollout_parts, weights, grads=0.0, buckets=0.0, **shared),
+        _phase("scoring", scoring_parts, weights, grads=0.0, buckets=0.0, **shared),
+        _phase("training", training_parts, w_train, grads=res.gradients, buckets=buckets, **shared),
+    )
     peak = max(p.total for p in phases)
+    frozen = w.frozen_params * w.precision.weight_bytes if frozen_away else 0.0
     return MemoryEstimate(
-        phases=tuple(phases),
-        cpu_ram_per_node=_host_bytes(w, s, res.host, frozen_away, device, peak),
+        phases=phases,
+        cpu_ram_per_node=_host_bytes(s, res.host + frozen, device, peak),
         rollout_gpu_bytes=roll.server_gpu_bytes,
         rollout_gpu_capacity=roll.server_gpu_capacity,
         rollout_concurrency=roll.concurrency,
     )
 
 
-def _host_bytes(w: Workload, s: Strategy, host: float, frozen_away: bool, device: DeviceSpec, peak: float) -> float:
+def _phase(
+    name: str,
+    parts: dict[str, float],
+    weights: dict[str, float],
+    grads: float,
+    optimizer: float,
+    gathered: float,
+    server: float,
+    device: DeviceSpec,
+    buckets: float,
+) -> PhaseMemory:
+    """One phase's PhaseMemory: `weights` by model name (absent: not on the device), `parts` the
+    activations, logits and KV cache, the framework overhead on top of all tensors."""
+    tensors = sum(weights.values()) + grads + optimizer + gathered + server + sum(parts.values())
+    return PhaseMemory(
+        phase=name,
+        actor_weights=weights.get("actor", 0.0),
+        critic_weights=weights.get("critic", 0.0),
+        reference_weights=weights.get("reference", 0.0),
+        reward_weights=weights.get("reward", 0.0),
+        gradients=grads,
+        optimizer_states=optimizer,
+        zero_gathered=gathered,
+        rollout_server=server,
+        framework_overhead=_overhead(tensors, device, buckets),
+        **parts,
+    )
+
+
+def _host_bytes(s: Strategy, host: float, device: DeviceSpec, peak: float) -> float:
     """Host memory per node: on a CPU machine, the peak itself; on GPU nodes, what each rank moved
-    there (offloaded states, waiting frozen models) plus HOST_PROCESS_GIB per rank."""
+    there (offloaded states, frozen models waiting) plus HOST_PROCESS_GIB per rank."""
     if device.is_cpu:
         return peak * s.n_gpus
     ranks = min(s.n_gpus, device.gpus_per_node)
-    frozen = (w.reference.lm_params + w.reward.scalar_params) * w.precision.weight_bytes if frozen_away else 0.0
-    return ranks * (host + frozen + HOST_PROCESS_GIB * GIB)
+    return ranks * (host + HOST_PROCESS_GIB * GIB)
+
+
+def dpo_logit_bytes(shape: ModelShape, sequences: int, tokens: int, e: int, fp32_copies: int) -> float:
+    """Logits of every position of `sequences` x `tokens` in e bytes + fp32 copies of them."""
+    full = sequences * tokens * shape.vocab_size
+    return full * e + fp32_copies * full * 4.0
+
+
+def estimate_dpo_memory(w: DPOWorkload, s: Strategy, device: DeviceSpec) -> MemoryEstimate:
+    """Bytes per training GPU in DPO's phases (engine/dpo.py): the reference pass holds the frozen
+    reference alone (the policy is loaded after it) and a chunk of 2 x pass_pairs sequences;
+    training holds the policy's weights, gradients and optimizer states (ZeRO-partitioned as in
+    the RL stage) and a micro-batch of 2 x micro_pairs sequences; the reference is freed by then."""
+    p, n, e, tokens = w.precision, s.n_gpus, w.precision.weight_bytes, w.seq_tokens
+    actor_w, grads, optimizer = partitioned_states(w.actor.lm_params, p, s.zero_stage, n)
+    ref_w = w.reference.lm_params * e / (n if s.zero_stage == 3 else 1)
+    host = 0.0
+    if s.offload_params:  # ZeRO-3 partitions live in host memory; one model at a time
+        host, actor_w, ref_w = max(actor_w, ref_w), 0.0, 0.0
+    if s.offload_optimizer:
+        host += optimizer + w.actor.lm_params * 4 / n
+        optimizer, grads = 0.0, 0.0
+    gathered = zero_gathered_bytes(w, s)
+    ref_rows, rows = 2 * w.pass_pairs, 2 * w.micro_pairs(n)
+    reference_parts = dict(
+        activations=activation_bytes_per_token_layer(w.reference, e) * ref_rows * tokens,
+        logits=dpo_logit_bytes(w.reference, ref_rows, tokens, e, SCORING_LOGIT_FP32_COPIES),
+        kv_cache=0.0,
+    )
+    training_parts = dict(
+        activations=training_activation_bytes(w.actor, rows * tokens, e, s.gradient_checkpointing),
+        logits=dpo_logit_bytes(w.actor, rows, tokens, e, DPO_LOGIT_FP32_COPIES),
+        kv_cache=0.0,
+    )
+    on_gpu = not device.is_cpu
+    buckets = min(ZERO_BUCKET_ELEMENTS, w.actor.lm_params) * p.grad_bytes if s.zero_stage >= 1 and on_gpu else 0.0
+    shared = dict(gathered=gathered, server=0.0, device=device)
+    phases = (
+        _phase("reference", reference_parts, {"reference": ref_w}, grads=0.0, optimizer=0.0, buckets=0.0, **shared),
+        _phase("training", training_parts, {"actor": actor_w}, grads, optimizer, buckets=buckets, **shared),
+    )
+    peak = max(ph.total for ph in phases)
+    return MemoryEstimate(phases, _host_bytes(s, host, device, peak), 0.0, 0.0, 0)

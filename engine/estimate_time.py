@@ -1,4 +1,5 @@
-"""Seconds per PPO step, by phase, from FLOPs, bytes moved and a few calibrated efficiencies.
+"""Seconds per RL step (PPO, GRPO, RLOO, REINFORCE++) or DPO step, by phase, from FLOPs, bytes
+moved and a few calibrated efficiencies.
 
 Each compute phase is a roofline: max(FLOPs / (peak * MFU), bytes read / (bandwidth * efficiency)),
 plus a host-side overhead per forward call (eager PyTorch dispatches every op from Python: it
@@ -9,6 +10,12 @@ recomputed forward). Decoding is bandwidth-bound: every generated token step rea
 once for the whole batch plus each row's KV cache so far. Collectives move (n-1)/n of their bytes
 per rank at the node's bus bandwidth; the engine runs ZeRO-3 with overlap_comm off, so they do not
 hide behind compute.
+
+Per algorithm: rows are prompts x rollout.n everywhere; a critic-free algorithm has no values
+pass and no critic update; without a learned reward model there is no reward forward (rules and
+functions run in CPU worker processes, overlapping sampling: no GPU time). DPO: the reference's
+forward over every pair once (StepTime is then per optimizer step, the pass a one-off), then
+forward + backward of the policy over 2 x batch_size sequences per step.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass, fields
 from rlflow.engine.estimate_hardware import DeviceSpec
 from rlflow.engine.estimate_memory import MemoryEstimate
 from rlflow.engine.estimate_model import ModelShape
-from rlflow.engine.estimate_workload import Strategy, Workload
+from rlflow.engine.estimate_workload import DPOWorkload, Precision, Strategy, Workload
 
 
 @dataclass(frozen=True)
@@ -89,11 +96,11 @@ HOST_ADAM_GBS = 10.0
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per PPO step, by phase (the phases run one after another)."""
+    """Seconds per step, by phase (the phases run one after another)."""
 
-    generation: float  # prefill + decoding of the rollout batch
-    scoring: float  # old log-probs, reference log-probs, values, reward scores
-    training: float  # actor and critic forward + backward, all epochs
+    generation: float  # prefill + decoding of the rollout batch (0 for DPO)
+    scoring: float  # old log-probs, reference log-probs, values, reward scores (0 for DPO)
+    training: float  # actor (and critic) forward + backward, all epochs; DPO: the policy's
     optimizer: float  # Adam steps (on the host when offloaded)
     communication: float  # ZeRO collectives, offload copies, weight sync to a vLLM server
 
@@ -125,7 +132,7 @@ def _forward_overhead(shape: ModelShape, eff: Efficiency) -> float:
 
 
 def generation_seconds(w: Workload, s: Strategy, device: DeviceSpec, mem: MemoryEstimate) -> tuple[float, float]:
-    """(compute, communication) seconds of sampling one PPO step's batch."""
+    """(compute, communication) seconds of sampling one step's rows (prompts x rollout.n)."""
     engine, eff = DECODE_ENGINES[w.rollout_engine], EFFICIENCY["cpu" if device.is_cpu else "gpu"]
     e, a = w.precision.weight_bytes, w.actor
     weights = a.lm_params * e
@@ -133,7 +140,7 @@ def generation_seconds(w: Workload, s: Strategy, device: DeviceSpec, mem: Memory
         rows, units, gpus = w.generate_batch, w.chunks_per_rank(s.n_gpus), 1
     else:
         rows = max(1, mem.rollout_concurrency)
-        units, gpus = -(-w.rollout_batch // rows), max(1, w.rollout_gpus)
+        units, gpus = -(-w.rows // rows), max(1, w.rollout_gpus)
     peak, bandwidth = device.peak_flops(w.precision.compute) * gpus, device.memory_gbs * 1e9 * gpus
     prefill = max(
         sequence_flops(a, a.lm_flop_params, rows, w.prompt_tokens, 1) / (peak * eff.forward_mfu),
@@ -156,18 +163,17 @@ def generation_seconds(w: Workload, s: Strategy, device: DeviceSpec, mem: Memory
 
 
 def _scoring_models(w: Workload, s: Strategy) -> tuple[tuple[ModelShape, int, int], ...]:
-    """(shape, FLOP parameters, parameters) of the scoring forwards: reference and reward model,
-    plus the actor's old log-probs and the critic's values unless the update computes them."""
-    frozen = (
-        (w.reference, w.reference.lm_flop_params, w.reference.lm_params),
-        (w.reward, w.reward.scalar_flop_params, w.reward.scalar_params),
-    )
+    """(shape, FLOP parameters, parameters) of the scoring forwards: the reference and each learned
+    reward model, plus the actor's old log-probs and the critic's values (if there is a critic)
+    unless the update computes them."""
+    frozen = ((w.reference, w.reference.lm_flop_params, w.reference.lm_params),)
+    frozen += tuple((r, r.scalar_flop_params, r.scalar_params) for r in w.rewards)
     if w.single_pass(s):
         return frozen
-    return frozen + (
-        (w.actor, w.actor.lm_flop_params, w.actor.lm_params),
-        (w.critic, w.critic.scalar_flop_params, w.critic.scalar_params),
-    )
+    own = ((w.actor, w.actor.lm_flop_params, w.actor.lm_params),)
+    if w.critic is not None:
+        own += ((w.critic, w.critic.scalar_flop_params, w.critic.scalar_params),)
+    return frozen + own
 
 
 def scoring_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[float, float]:
@@ -185,38 +191,56 @@ def scoring_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[float
             gather += params * e / s.n_gpus / (device.pcie_gbs * 1e9) if s.offload_params else 0.0
             comm += chunks * gather
     if s.offload_frozen_models and not device.is_cpu and s.zero_stage != 3:  # onload, then back to the host
-        frozen = (w.reference.lm_params + w.reward.scalar_params) * e
-        comm += 2 * frozen / (device.pcie_gbs * 1e9)
+        comm += 2 * w.frozen_params * e / (device.pcie_gbs * 1e9)
     return compute, comm
 
 
 def _micro_batches_per_epoch(w: Workload, n: int) -> tuple[int, int]:
-    """(optimizer steps, micro-batches per rank) in one epoch over the rollout batch."""
+    """(optimizer steps, micro-batches per rank) in one epoch over the step's rows."""
     mini_batches = w.rollout_batch // w.mini_batch
     return mini_batches, mini_batches * -(-w.rows_per_rank(n) // w.micro_rows(n))
 
 
 def training_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[float, float, float]:
-    """(forward + backward, optimizer, communication) seconds of all epochs of actor and critic updates."""
-    eff, p, n = EFFICIENCY["cpu" if device.is_cpu else "gpu"], w.precision, s.n_gpus
-    peak, bandwidth = device.peak_flops(p.compute), device.memory_gbs * 1e9
+    """(forward + backward, optimizer, communication) seconds of all epochs of actor and (if there
+    is one) critic updates."""
+    n = s.n_gpus
     steps, micro = _micro_batches_per_epoch(w, n)
     rows = steps * w.rows_per_rank(n)
+    models = [(w.actor, w.actor.lm_flop_params, w.actor.lm_params)]
+    if w.critic is not None:
+        models.append((w.critic, w.critic.scalar_flop_params, w.critic.scalar_params))
+    compute = optimizer = comm = 0.0
+    for shape, flop_params, params in models:
+        flops = sequence_flops(shape, flop_params, rows, w.sequence_tokens, w.response_tokens + 1)
+        parts = update_seconds(shape, flops, params, w.precision, s, device, steps, micro)
+        compute, optimizer, comm = compute + parts[0], optimizer + parts[1], comm + parts[2]
+    return w.epochs * compute, w.epochs * optimizer, w.epochs * comm
+
+
+def update_seconds(
+    shape: ModelShape,
+    forward: float,
+    params: int,
+    p: Precision,
+    s: Strategy,
+    device: DeviceSpec,
+    steps: int,
+    micro: int,
+) -> tuple[float, float, float]:
+    """(forward + backward, optimizer, communication) seconds of training one model for `steps`
+    optimizer steps in `micro` micro-batches per rank, whose forwards take `forward` FLOPs in all."""
+    eff = EFFICIENCY["cpu" if device.is_cpu else "gpu"]
+    peak, bandwidth = device.peak_flops(p.compute), device.memory_gbs * 1e9
     passes = 4.0 if s.gradient_checkpointing else 3.0  # forward + backward (2x) [+ recomputed forward]
     overhead_calls = 1 + BACKWARD_OVERHEAD + (1 if s.gradient_checkpointing else 0)
-    compute = optimizer = comm = 0.0
-    for shape, flop_params, params in (
-        (w.actor, w.actor.lm_flop_params, w.actor.lm_params),
-        (w.critic, w.critic.scalar_flop_params, w.critic.scalar_params),
-    ):
-        flops = passes * sequence_flops(shape, flop_params, rows, w.sequence_tokens, w.response_tokens + 1)
-        compute += flops / (peak * eff.train_mfu) + micro * overhead_calls * _forward_overhead(shape, eff)
-        partition = params / (n if s.zero_stage >= 1 else 1)
-        adam_gbs = HOST_ADAM_GBS * 1e9 if s.offload_optimizer else bandwidth * eff.bandwidth
-        adam_passes = ADAM_PASSES["fused" if s.zero_stage == 0 else "per-tensor"]
-        optimizer += steps * partition * ADAM_BYTES_PER_PARAM * adam_passes / adam_gbs
-        comm += _training_comm(params, p.weight_bytes, p.grad_bytes, s, device, steps, micro)
-    return w.epochs * compute, w.epochs * optimizer, w.epochs * comm
+    compute = passes * forward / (peak * eff.train_mfu) + micro * overhead_calls * _forward_overhead(shape, eff)
+    partition = params / (s.n_gpus if s.zero_stage >= 1 else 1)
+    adam_gbs = HOST_ADAM_GBS * 1e9 if s.offload_optimizer else bandwidth * eff.bandwidth
+    adam_passes = ADAM_PASSES["fused" if s.zero_stage == 0 else "per-tensor"]
+    optimizer = steps * partition * ADAM_BYTES_PER_PARAM * adam_passes / adam_gbs
+    comm = _training_comm(params, p.weight_bytes, p.grad_bytes, s, device, steps, micro)
+    return compute, optimizer, comm
 
 
 def _training_comm(params: int, wb: int, gb: int, s: Strategy, device: DeviceSpec, steps: int, micro: int) -> float:
@@ -237,8 +261,36 @@ def _training_comm(params: int, wb: int, gb: int, s: Strategy, device: DeviceSpe
 
 
 def estimate_step_time(w: Workload, s: Strategy, device: DeviceSpec, mem: MemoryEstimate) -> StepTime:
-    """Seconds of one PPO step on `device` under `s` (mem gives the sampler's concurrency)."""
+    """Seconds of one RL step on `device` under `s` (mem gives the sampler's concurrency)."""
     generation, generation_comm = generation_seconds(w, s, device, mem)
     scoring, scoring_comm = scoring_seconds(w, s, device)
     training, optimizer, training_comm = training_seconds(w, s, device)
     return StepTime(generation, scoring, training, optimizer, generation_comm + scoring_comm + training_comm)
+
+
+def dpo_reference_seconds(w: DPOWorkload, s: Strategy, device: DeviceSpec) -> float:
+    """Seconds of the reference's one pass over every pair (training and held-out) on one rank:
+    chunks of 2 x pass_pairs sequences, logits at every position (engine/dpo.py all_pair_logps),
+    ZeRO-3 gathers per chunk."""
+    eff, e, ref = EFFICIENCY["cpu" if device.is_cpu else "gpu"], w.precision.weight_bytes, w.reference
+    peak, bandwidth = device.peak_flops(w.precision.compute), device.memory_gbs * 1e9
+    chunks, rows = w.reference_chunks_per_rank(s.n_gpus), 2 * w.pass_pairs
+    flops = sequence_flops(ref, ref.lm_flop_params, rows, w.seq_tokens, w.seq_tokens)
+    per_chunk = max(flops / (peak * eff.forward_mfu), ref.lm_params * e / (bandwidth * eff.bandwidth))
+    seconds = chunks * (per_chunk + _forward_overhead(ref, eff))
+    if s.zero_stage == 3:
+        gather = collective_s(ref.lm_params * e, s.n_gpus, device)
+        gather += ref.lm_params * e / s.n_gpus / (device.pcie_gbs * 1e9) if s.offload_params else 0.0
+        seconds += chunks * gather
+    return seconds
+
+
+def estimate_dpo_step_time(w: DPOWorkload, s: Strategy, device: DeviceSpec) -> tuple[StepTime, float]:
+    """(seconds of one DPO optimizer step, seconds of the one-off reference pass): each rank trains
+    on 2 x ceil(batch_size / n) sequences of seq_tokens, logits at every position."""
+    n, a = s.n_gpus, w.actor
+    pairs = w.pairs_per_rank(n)
+    micro = -(-pairs // w.micro_pairs(n))
+    forward = sequence_flops(a, a.lm_flop_params, 2 * pairs, w.seq_tokens, w.seq_tokens)
+    training, optimizer, comm = update_seconds(a, forward, a.lm_params, w.precision, s, device, 1, micro)
+    return StepTime(0.0, 0.0, training, optimizer, comm), dpo_reference_seconds(w, s, device)

@@ -1,9 +1,13 @@
-"""What a PPO run does (Workload) and how it is spread over devices (Strategy), for the estimate.
+"""What a training stage does (Workload: the RL stage; DPOWorkload: DPO) and how it is spread
+over devices (Strategy), for the estimate.
 
-Both mirror how the engine runs PPO (engine/ppo.py): per step, `rollout_batch` prompts are
-sampled in chunks of `generate_batch` (chunk c on rank c % n), scored by four models (actor,
-reference, critic, reward model) chunk by chunk, then `epochs` passes of actor and critic updates
-over mini-batches, each rank training on its share cut into micro-batches.
+The RL stage mirrors engine/ppo.py for every algorithm.name: per step, `rollout_batch` prompts x
+`rollout.n` samples (consecutive rows) are sampled in chunks of `generate_batch` rows (chunk c on
+rank c % n), scored chunk by chunk (actor and reference log-probs, critic values unless the
+algorithm is critic-free, the learned reward models), then `epochs` passes of actor (and critic)
+updates over mini-batches of `mini_batch` prompts x n rows, each rank training on its share cut
+into micro-batches. DPO mirrors engine/dpo.py: the reference's log-probs of every pair once,
+then optimizer steps over `batch_size` pairs; no sampling.
 """
 
 from __future__ import annotations
@@ -131,39 +135,103 @@ class Strategy:
 ROLLOUT_ENGINES = ("hf", "vllm")
 
 
+# The RL stage's algorithms (engine/config_methods.py ALGORITHMS but DPO), as the report names them.
+RL_ALGORITHMS = {"ppo": "PPO", "grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
+
+
 @dataclass(frozen=True)
 class Workload:
-    """One PPO stage: four models, batch geometry (rows = prompts; tokens per row), steps."""
+    """One RL stage: actor, reference, critic (None: critic-free), the learned reward models
+    (none: rules and functions alone), batch geometry (a row is one sample: prompts x rollout.n;
+    tokens per row) and steps."""
 
     actor: ModelShape
-    critic: ModelShape
+    critic: ModelShape | None  # None: a critic-free algorithm (GRPO, RLOO, REINFORCE++) loads no critic
     reference: ModelShape
-    reward: ModelShape
-    rollout_batch: int  # prompts per PPO step (ppo.rollout_batch)
+    reward: ModelShape | None  # the round's reward model; None: no reward.sources model without a path
+    rollout_batch: int  # prompts per step (ppo.rollout_batch)
     prompt_tokens: int  # longest prompt (data.max_prompt_tokens): every row is padded to it
     response_tokens: int  # ppo.max_new_tokens: an upper bound, a batch decodes until its longest row ends
-    mini_batch: int  # rows per optimizer step (ppo.mini_batch)
+    mini_batch: int  # prompts per optimizer step (ppo.mini_batch); rows: x samples_per_prompt
     epochs: int  # ppo.epochs
     steps: int  # ppo.steps
     generate_batch: int  # rows sampled and scored together per rank (rollout.generate_batch)
     precision: Precision
-    micro_batch_size: int | None = None  # engine.micro_batch_size; None: a rank's whole mini-batch share
+    micro_batch_size: int | None = None  # engine.micro_batch_size (rows); None: a rank's whole mini-batch share
     max_tokens_per_microbatch: int | None = None
     rollout_engine: str = "hf"  # a ROLLOUT_ENGINES name; "vllm" = rollout.mode server with vLLM
     rollout_gpus: int = 0  # GPUs only the vLLM server uses (placement.rollout minus placement.train)
+    algorithm: str = "ppo"  # a key of RL_ALGORITHMS (algorithm.name)
+    samples_per_prompt: int = 1  # rollout.n
+    extra_rewards: tuple[ModelShape, ...] = ()  # reward.sources models with a path: frozen scalar models
+    kl_in_loss: bool = False  # the KL is a loss term (GRPO's default): no extra pass, said in the report
 
     def __post_init__(self) -> None:
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ConfigError(f"unknown rollout engine {self.rollout_engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
+        if self.algorithm not in RL_ALGORITHMS:
+            raise ConfigError(f"unknown RL algorithm {self.algorithm!r}; valid: {', '.join(RL_ALGORITHMS)}")
+
+    @property
+    def rows(self) -> int:
+        """Samples per step: rollout_batch prompts x samples_per_prompt (what is sampled, scored, trained)."""
+        return self.rollout_batch * self.samples_per_prompt
+
+    @property
+    def mini_rows(self) -> int:
+        """Rows per optimizer step: mini_batch prompts x samples_per_prompt."""
+        return self.mini_batch * self.samples_per_prompt
+
+    @property
+    def rewards(self) -> tuple[ModelShape, ...]:
+        """Every learned reward model that scores each chunk: the round's, then those given by path."""
+        return ((self.reward,) if self.reward is not None else ()) + self.extra_rewards
+
+    @property
+    def critic_params(self) -> int:
+        return 0 if self.critic is None else self.critic.scalar_params
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameters with gradients and optimizer states: the actor, plus the critic if there is one."""
+        return self.actor.lm_params + self.critic_params
+
+    @property
+    def frozen_params(self) -> int:
+        """Parameters of the frozen models: the reference and every learned reward model."""
+        return self.reference.lm_params + sum(r.scalar_params for r in self.rewards)
+
+    @property
+    def shapes(self) -> tuple[ModelShape, ...]:
+        """Every model the stage loads."""
+        return (self.actor, self.reference) + ((self.critic,) if self.critic else ()) + self.rewards
 
     @property
     def sequence_tokens(self) -> int:
         """Tokens of one row, prompt + response (rows keep the batch's padded width)."""
         return self.prompt_tokens + self.response_tokens
 
+    @property
+    def algorithm_name(self) -> str:
+        """PPO, GRPO, RLOO or REINFORCE++."""
+        return RL_ALGORITHMS[self.algorithm]
+
+    @property
+    def label(self) -> str:
+        """e.g. "GRPO: 16 prompts x 4 samples = 64 rows per step, no critic, KL in the loss"."""
+        n = self.samples_per_prompt
+        rows = f"{self.rollout_batch} prompts x {n} samples = {self.rows} rows" if n > 1 else f"{self.rows} prompts"
+        parts = [f"{self.algorithm_name}: {rows} per step", "a critic" if self.critic else "no critic"]
+        parts.append("KL in the loss" if self.kl_in_loss else "KL in the reward")
+        if not self.rewards:
+            parts.append("no reward model (rule/function rewards run in CPU workers)")
+        elif self.extra_rewards:
+            parts.append(f"{len(self.rewards)} reward model(s)")
+        return ", ".join(parts)
+
     def rows_per_rank(self, n_gpus: int) -> int:
         """Rows of one mini-batch that one rank trains on."""
-        return -(-self.mini_batch // n_gpus)
+        return -(-self.mini_rows // n_gpus)
 
     def micro_rows(self, n_gpus: int) -> int:
         """Rows per training micro-batch on one rank (engine.micro_batch_size / max_tokens_per_microbatch)."""
@@ -178,18 +246,106 @@ class Workload:
         """Whether the engine skips the old-log-prob and value passes (engine/ppo.py
         single_pass_possible): one process, one epoch over one mini-batch in one micro-batch."""
         one_update = self.epochs == 1 and self.mini_batch == self.rollout_batch
-        one_micro = self.max_tokens_per_microbatch is None and self.micro_rows(1) == self.rollout_batch
+        one_micro = self.max_tokens_per_microbatch is None and self.micro_rows(1) == self.rows
         return s.zero_stage == 0 and s.n_gpus == 1 and self.rollout_engine == "hf" and one_update and one_micro
 
+    @property
+    def chunks(self) -> int:
+        """Sampling-and-scoring chunks of generate_batch rows per step."""
+        return -(-self.rows // self.generate_batch)
+
     def chunks_per_rank(self, n_gpus: int) -> int:
-        """Sampling-and-scoring chunks (generate_batch rows each) one rank handles per PPO step."""
-        return -(-(-(-self.rollout_batch // self.generate_batch)) // n_gpus)
+        """Sampling-and-scoring chunks (generate_batch rows each) one rank handles per step."""
+        return -(-self.chunks // n_gpus)
 
     def rank_shares_problem(self, n_gpus: int) -> str | None:
         """Why `n_gpus` ranks cannot run this batch (the config's every-rank-needs-a-share rule), or None."""
-        chunks = -(-self.rollout_batch // self.generate_batch)
         if self.mini_batch < n_gpus:
             return f"ppo.mini_batch={self.mini_batch} is below {n_gpus} ranks"
-        if chunks < n_gpus:
-            return f"{chunks} rollout chunks (ppo.rollout_batch / rollout.generate_batch) are fewer than {n_gpus} ranks"
+        if self.chunks < n_gpus:
+            return (
+                f"{self.chunks} rollout chunks (ppo.rollout_batch x rollout.n / rollout.generate_batch) are fewer"
+                f" than {n_gpus} ranks"
+            )
         return None
+
+
+@dataclass(frozen=True)
+class DPOWorkload:
+    """The DPO stage (engine/dpo.py): a frozen reference scores every pair once (chosen and rejected,
+    `pass_pairs` pairs per forward), then `epochs` x ceil(pairs / batch_size) optimizer steps of the
+    policy over `batch_size` pairs; each pair is two sequences padded to the longer, at most
+    `seq_tokens` tokens. No sampling, no critic, no reward model."""
+
+    actor: ModelShape  # the policy
+    reference: ModelShape
+    pairs: int  # preference pairs trained on (per epoch)
+    batch_size: int  # pairs per optimizer step (dpo.batch_size)
+    epochs: int  # dpo.epochs
+    seq_tokens: int  # dpo.max_seq_tokens: every sequence counted at this padded width (an upper bound)
+    precision: Precision
+    held_out_pairs: int = 0  # data.preferences_eval pairs: the reference pass scores them too
+    micro_batch_size: int | None = None  # engine.micro_batch_size, in pairs
+    max_tokens_per_microbatch: int | None = None
+    algorithm: str = "dpo"
+    rollout_gpus: int = 0  # no sampler: a vLLM server never runs in DPO
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of the stage: epochs x ceil(pairs / batch_size)."""
+        return self.epochs * -(-self.pairs // self.batch_size)
+
+    @property
+    def trainable_params(self) -> int:
+        return self.actor.lm_params
+
+    @property
+    def shapes(self) -> tuple[ModelShape, ...]:
+        return self.actor, self.reference
+
+    @property
+    def pass_pairs(self) -> int:
+        """Pairs per reference forward (engine/dpo.py pass_pairs): at most a training micro-batch."""
+        n = min(self.micro_batch_size or self.batch_size, self.batch_size)
+        if self.max_tokens_per_microbatch is not None:
+            n = min(n, max(1, self.max_tokens_per_microbatch // (2 * self.seq_tokens)))
+        return n
+
+    def pairs_per_rank(self, n_gpus: int) -> int:
+        """Pairs of one optimizer step that one rank trains on."""
+        return -(-self.batch_size // n_gpus)
+
+    def micro_pairs(self, n_gpus: int) -> int:
+        """Pairs per training micro-batch on one rank (a pair is 2 x seq_tokens padded tokens)."""
+        pairs = self.pairs_per_rank(n_gpus)
+        if self.micro_batch_size is not None:
+            pairs = min(pairs, self.micro_batch_size)
+        if self.max_tokens_per_microbatch is not None:
+            pairs = min(pairs, max(1, self.max_tokens_per_microbatch // (2 * self.seq_tokens)))
+        return pairs
+
+    def reference_chunks_per_rank(self, n_gpus: int) -> int:
+        """Reference forwards (pass_pairs pairs each) one rank runs, over training and held-out pairs."""
+        return -(-(-(-(self.pairs + self.held_out_pairs) // self.pass_pairs)) // n_gpus)
+
+    @property
+    def algorithm_name(self) -> str:
+        return "DPO"
+
+    @property
+    def label(self) -> str:
+        """e.g. "DPO: 1000 pairs x 1 epoch(s) = 32 step(s) of 32 pairs, reference pass once over 1000
+        pairs, no generation"."""
+        return (
+            f"DPO: {self.pairs} pairs x {self.epochs} epoch(s) = {self.steps} step(s) of {self.batch_size} pairs,"
+            f" reference pass once over {self.pairs + self.held_out_pairs} pairs, no generation"
+        )
+
+    def rank_shares_problem(self, n_gpus: int) -> str | None:
+        """Why `n_gpus` ranks cannot share a step's pairs, or None."""
+        if self.batch_size < n_gpus:
+            return f"dpo.batch_size={self.batch_size} is below {n_gpus} ranks"
+        return None
+
+
+AnyWorkload = Workload | DPOWorkload

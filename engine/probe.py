@@ -1,5 +1,8 @@
-"""Measure a PPO configuration for a few steps before committing to a run: memory, step time,
-throughput, and where reward and KL are heading. Writes nothing: no checkpoints, no models.
+"""Measure an RL configuration (algorithm.name ppo, grpo, rloo or reinforce_pp) for a few steps
+before committing to a run: memory, step time, throughput, and where reward and KL are heading.
+Writes nothing: no checkpoints, no models. The steps run as the RL stage runs them: the
+algorithm's objective, rollout.n samples per prompt, no critic for a critic-free algorithm, and
+the reward.sources (rules and functions in their worker pool).
 
 Memory is the process's peak resident set above its resident set once everything is imported
 (the number `rlflow estimate` predicts on a CPU), and on a GPU torch's peak allocation.
@@ -16,20 +19,22 @@ from dataclasses import dataclass
 
 import torch
 from rlflow.engine.backend import Runtime
-from rlflow.engine.config import DataConfig, ModelConfig, PPOConfig
+from rlflow.engine.config import Config
 from rlflow.engine.data import load_prompts
 from rlflow.engine.evaluation import encode_prompt_set
+from rlflow.engine.experience import Objective
 from rlflow.engine.ppo import make_controller, ppo_step
 from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
+from rlflow.engine.reward_source import build_reward_source, start_reward_pool
 
 
 @dataclass(frozen=True)
 class ProbeStep:
     step: int
     seconds: float
-    generated_tokens: int  # response tokens sampled this step
+    generated_tokens: int  # response tokens sampled this step (all prompts x rollout.n samples)
     processed_tokens: int  # prompt + response tokens of the batch
-    reward: float  # critic/score/mean: mean normalised reward-model score
+    reward: float  # critic/score/mean: mean score, the weighted sum of the reward sources
     kl: float  # actor/kl: rollout KL to the reference, nats per token
     timings: dict[str, float]  # the step's timing_s/* phases
 
@@ -37,7 +42,7 @@ class ProbeStep:
 @dataclass(frozen=True)
 class ProbeReport:
     steps: tuple[ProbeStep, ...]
-    load_seconds: float  # loading the four models and encoding the prompts
+    load_seconds: float  # loading the models, starting the reward pool, encoding the prompts
     baseline_rss: int  # bytes resident after imports, before any model is loaded
     peak_rss: int  # bytes: the process's peak resident set
     gpu_peak_allocated: int | None  # bytes torch allocated at most on the GPU; None on a CPU
@@ -115,46 +120,57 @@ def preload_model_code(path: str, trust_remote_code: bool) -> None:
 
 def run_probe(
     inputs: PPOInputs,
-    model_cfg: ModelConfig,
-    cfg: PPOConfig,
-    data: DataConfig,
+    config: Config,
     runtime: Runtime,
     steps: int,
-    generate_batch: int,
-    seed: int,
     on_step: Callable[[ProbeStep], None] = lambda step: None,
 ) -> ProbeReport:
-    """`steps` PPO steps of `cfg` from `inputs`, exactly as the stage runs them (no evaluation,
-    no checkpoint). Call it in a process that has imported what it needs: the baseline is taken
-    on entry, the peak is the process's lifetime peak."""
-    preload_model_code(inputs.policy, model_cfg.trust_remote_code)
+    """`steps` RL steps of `config` from `inputs`, exactly as the stage runs them (the configured
+    algorithm and reward sources; no evaluation, no checkpoint). Call it in a process that has
+    imported what it needs: the baseline is taken on entry, the peak is the process's lifetime peak
+    (reward worker processes are not in it)."""
+    cfg, data = config.ppo, config.data
+    preload_model_code(inputs.policy, config.model.trust_remote_code)
     baseline = resident_bytes()
     if runtime.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runtime.device)
     started = time.monotonic()
-    models = load_ppo_models(inputs, model_cfg, cfg, _no_gold, runtime)
-    records = load_prompts(data.prompts, data.storage_options)
-    prompts, _, _ = encode_prompt_set(
-        models.tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.prompts
-    )
-    controller, done = make_controller(cfg), []
-    load_seconds = time.monotonic() - started
-    for step in range(1, steps + 1):
-        metrics = ppo_step(models, controller, cfg, prompts, seed, 0, step, generate_batch)
-        probe = ProbeStep(
-            step=step,
-            seconds=metrics["timing_s/step"],
-            generated_tokens=round(metrics["response_length/mean"] * cfg.rollout_batch),
-            processed_tokens=round(metrics["perf/throughput"] * metrics["timing_s/step"]),
-            reward=metrics["critic/score/mean"],
-            kl=metrics["actor/kl"],
-            timings={k: v for k, v in metrics.items() if k.startswith("timing_s/")},
+    models = load_ppo_models(inputs, config.model, cfg, _no_gold, runtime)
+    objective = Objective.of(config.algorithm, config.rollout.n)
+    pool = start_reward_pool(config.reward)
+    try:
+        models.reward = build_reward_source(config.reward, models.scoring, None, pool, runtime, config.model)
+        records = load_prompts(data.prompts, data.storage_options)
+        prompts, _, _ = encode_prompt_set(
+            models.tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.prompts
         )
-        done.append(probe)
-        on_step(probe)
+        controller, done = make_controller(cfg), []
+        load_seconds = time.monotonic() - started
+        for step in range(1, steps + 1):
+            metrics = ppo_step(
+                models, controller, cfg, prompts, config.run.seed, 0, step, config.rollout.generate_batch, objective
+            )
+            done.append(_probe_step(step, metrics, cfg.rollout_batch * config.rollout.n))
+            on_step(done[-1])
+    finally:
+        if pool is not None:
+            pool.close()
     gpu_peak = torch.cuda.max_memory_allocated(runtime.device) if runtime.device.type == "cuda" else None
     longest = max(len(p) for p in prompts.token_ids)
     return ProbeReport(tuple(done), load_seconds, baseline, peak_resident_bytes(), gpu_peak, longest)
+
+
+def _probe_step(step: int, metrics: dict[str, float], rows: int) -> ProbeStep:
+    """One step's ProbeStep from ppo_step's metrics; `rows`: samples in the step (prompts x n)."""
+    return ProbeStep(
+        step=step,
+        seconds=metrics["timing_s/step"],
+        generated_tokens=round(metrics["response_length/mean"] * rows),
+        processed_tokens=round(metrics["perf/throughput"] * metrics["timing_s/step"]),
+        reward=metrics["critic/score/mean"],
+        kl=metrics["actor/kl"],
+        timings={k: v for k, v in metrics.items() if k.startswith("timing_s/")},
+    )
 
 
 def _no_gold(prompt: str, response: str, **fields) -> float:

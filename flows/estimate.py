@@ -1,8 +1,9 @@
-"""`rlflow estimate [CONFIG] [key=value ...]`: what a PPO run will cost before it starts.
+"""`rlflow estimate [CONFIG] [key=value ...]`: what a round's training stage will cost before it starts.
 
 Reads the config as `rlflow run` does (the same loader and overrides), turns it into the
-estimator's Workload and Strategy (engine/estimate*.py), and prints memory per GPU by component
-and phase, time per step by phase, hours, GPU-hours, money, and the cheapest plan that fits.
+estimator's workload (the RL stage of algorithm.name ppo/grpo/rloo/reinforce_pp, or the DPO
+stage) and Strategy (engine/estimate*.py), and prints memory per GPU by component and phase,
+time per step by phase, hours, GPU-hours, money, and the cheapest plan that fits.
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.engine.config import Config, apply_override, build_config, load_config
-from rlflow.engine.errors import ConfigError
+from rlflow.engine.errors import ConfigError, RlflowError
 from rlflow.engine.estimate import MEMORY_MARGIN, Estimate, Recommendation, estimate_ppo, recommend
 from rlflow.engine.estimate_hardware import CPU_DEVICE, DeviceSpec, device_spec, load_price_book, measure_cpu
 from rlflow.engine.estimate_memory import GIB
 from rlflow.engine.estimate_model import ModelShape, resolve_model
-from rlflow.engine.estimate_workload import OFFLOADS, ROLLOUT_ENGINES, BackendPrecisions, Strategy, Workload
+from rlflow.engine.estimate_workload import (
+    OFFLOADS,
+    ROLLOUT_ENGINES,
+    AnyWorkload,
+    BackendPrecisions,
+    DPOWorkload,
+    Strategy,
+    Workload,
+)
 
 DEFAULT_PRICES = Path(__file__).resolve().parents[1] / "configs" / "prices.yaml"
 
@@ -37,17 +46,33 @@ def read_config(config: str | None, overrides: list[str]) -> Config:
     return build_config(tree, "defaults" + (" (with overrides)" if overrides else ""))
 
 
-def model_shapes(config: Config, model: str | None, reward_model: str | None) -> dict[str, ModelShape]:
-    """Actor/reference from --model or model.path; reward model from --reward-model, else rm.init
-    when it names a folder, else the policy's shape; the critic starts from the reward model
-    (ppo.critic_init rm) or the policy."""
+def model_shapes(config: Config, model: str | None, reward_model: str | None) -> dict[str, Any]:
+    """Actor/reference from --model or model.path. The round's reward model (only when
+    reward.sources has a model without a path) from --reward-model, else rm.init when it names a
+    folder, else the policy's shape; reward.sources models with a path from their config.json. The
+    critic (none for a critic-free algorithm) starts from the reward model (ppo.critic_init rm) or
+    the policy."""
     policy = _shape(model, "--model") if model else _shape(config.model.path, "model.path")
-    if reward_model:
-        reward = _shape(reward_model, "--reward-model")
-    else:
-        reward = policy if config.rm.init == "sft" else _shape(config.rm.init, "rm.init")
-    critic = reward if config.ppo.critic_init == "rm" else policy
-    return {"actor": policy, "reference": policy, "critic": critic, "reward": reward}
+    if reward_model and not config.reward.learned:
+        raise ConfigError(
+            "--reward-model: reward.sources has no learned reward model of the round (a model source without"
+            " a path), so there is none to estimate; drop the flag"
+        )
+    reward = None
+    if config.reward.learned:
+        if reward_model:
+            reward = _shape(reward_model, "--reward-model")
+        else:
+            reward = policy if config.rm.init == "sft" else _shape(config.rm.init, "rm.init")
+    extra = tuple(
+        _shape(s.path, f"reward.sources[{s.name}].path")
+        for s in config.reward.sources
+        if s.type == "model" and s.path is not None
+    )
+    critic = None
+    if not config.algorithm.critic_free:
+        critic = reward if config.ppo.critic_init == "rm" and reward is not None else policy
+    return {"actor": policy, "reference": policy, "critic": critic, "reward": reward, "extra_rewards": extra}
 
 
 def _shape(spec: str, key: str) -> ModelShape:
@@ -71,11 +96,61 @@ def rollout_setup(config: Config, engine: str | None, rollout_gpus: int | None) 
     return chosen, rollout_gpus
 
 
+def preference_pairs(config: Config, pairs: int | None) -> tuple[int, int]:
+    """(pairs DPO trains on per epoch, held-out pairs the reference pass also scores). --pairs N
+    gives the first and reads nothing (the held-out set then counts 0: it is small). Else the
+    non-tied pairs of data.preferences (with dpo.include_offline) plus, when rounds label online,
+    label.prompts_per_round fresh pairs (an upper bound: the largest round's stage), and the
+    pairs of data.preferences_eval."""
+    from rlflow.engine.data import load_preference_pairs
+
+    def count(url: str, key: str) -> int:
+        try:
+            return sum(p.chosen != p.rejected for p in load_preference_pairs(url, config.data.storage_options))
+        except (RlflowError, OSError) as exc:
+            raise ConfigError(f"{key}: cannot count its pairs ({exc}); give the number with --pairs N") from None
+
+    if pairs is not None:
+        if pairs < 1:
+            raise ConfigError(f"--pairs must be at least 1, got {pairs}")
+        return pairs, 0
+    label = config.label
+    online = label.online_from_round is not None and label.online_from_round < config.run.rounds
+    offline = count(config.data.preferences, "data.preferences") if config.dpo.include_offline else 0
+    pairs = offline + (label.prompts_per_round if online else 0)
+    if pairs < 1:
+        raise ConfigError("DPO has no preference pairs: set dpo.include_offline=true, online labels, or --pairs N")
+    return pairs, count(config.data.preferences_eval, "data.preferences_eval")
+
+
+def build_dpo_workload(config: Config, args: argparse.Namespace, precision: Any) -> DPOWorkload:
+    """The DPO stage of `config`: the policy (and its reference, same shape) over the pairs."""
+    if args.reward_model:
+        raise ConfigError("--reward-model: algorithm.name=dpo trains without a reward model; drop the flag")
+    if args.rollout or args.rollout_gpus:
+        raise ConfigError("--rollout/--rollout-gpus: algorithm.name=dpo samples nothing; drop the flag")
+    policy = _shape(args.model, "--model") if args.model else _shape(config.model.path, "model.path")
+    pairs, held_out = preference_pairs(config, getattr(args, "pairs", None))
+    return DPOWorkload(
+        actor=policy,
+        reference=policy,
+        pairs=pairs,
+        batch_size=config.dpo.batch_size,
+        epochs=config.dpo.epochs,
+        seq_tokens=config.dpo.max_seq_tokens,
+        precision=precision,
+        held_out_pairs=held_out,
+        micro_batch_size=config.engine.micro_batch_size,
+        max_tokens_per_microbatch=config.engine.max_tokens_per_microbatch,
+    )
+
+
 def build_inputs(
     config: Config, args: argparse.Namespace, device: DeviceSpec
-) -> tuple[Workload, Strategy, BackendPrecisions]:
-    """The workload in the configured strategy's precision, that strategy (flags win over the
-    config) and both backends' precisions for the plan search."""
+) -> tuple[AnyWorkload, Strategy, BackendPrecisions]:
+    """The workload (the RL stage, or DPO's with algorithm.name=dpo) in the configured strategy's
+    precision, that strategy (flags win over the config) and both backends' precisions for the
+    plan search."""
     eng = config.engine
     zero = args.zero if args.zero is not None else (eng.zero_stage if eng.backend == "deepspeed" else 0)
     offload = args.offload or ("all" if eng.offload_params else "optimizer" if eng.offload_optimizer else "none")
@@ -87,6 +162,12 @@ def build_inputs(
         offload_frozen_models=eng.offload_frozen_models,
     )
     precisions = BackendPrecisions.of(eng.precision, config.model.dtype, on_gpu=not device.is_cpu)
+    if config.algorithm.name == "dpo":
+        workload = build_dpo_workload(config, args, precisions.for_stage(strategy.zero_stage))
+        problem = workload.rank_shares_problem(strategy.n_gpus)
+        if problem:
+            raise ConfigError(f"--gpus {strategy.n_gpus}: {problem}; every rank needs a share, use fewer GPUs")
+        return workload, strategy, precisions
     engine, rollout_gpus = rollout_setup(config, args.rollout, args.rollout_gpus)
     workload = Workload(
         **model_shapes(config, args.model, args.reward_model),
@@ -102,6 +183,9 @@ def build_inputs(
         max_tokens_per_microbatch=eng.max_tokens_per_microbatch,
         rollout_engine=engine,
         rollout_gpus=rollout_gpus,
+        algorithm=config.algorithm.name,
+        samples_per_prompt=config.rollout.n,
+        kl_in_loss=config.algorithm.kl_in_loss,
     )
     problem = workload.rank_shares_problem(strategy.n_gpus)
     if problem:
@@ -118,10 +202,12 @@ def resolve_device(args: argparse.Namespace, config: Config) -> tuple[DeviceSpec
     return device_spec(book, name, calibration), book.currency
 
 
-def estimate_config(config: Config, device_name: str | None = None, reward_model: str | None = None) -> tuple[Estimate, str]:
+def estimate_config(
+    config: Config, device_name: str | None = None, reward_model: str | None = None
+) -> tuple[Estimate, str]:
     """(estimate, currency) of a config as it stands, as `rlflow estimate CONFIG` without flags would
     give it; on `device_name` (default: resources.gpu_type, else this machine's CPU)."""
-    flags = dict.fromkeys(("zero", "offload", "gpus", "rollout", "rollout_gpus", "model"))
+    flags = dict.fromkeys(("zero", "offload", "gpus", "rollout", "rollout_gpus", "model", "pairs"))
     args = argparse.Namespace(**flags, gpu=device_name, reward_model=reward_model, prices=str(DEFAULT_PRICES))
     device, currency = resolve_device(args, config)
     workload, strategy, _ = build_inputs(config, args, device)
@@ -180,22 +266,46 @@ def _money(amount: float, currency: str) -> str:
     return f"{amount:,.2f} {currency}" if amount >= 1 else f"{amount:.4f} {currency}"
 
 
-def _workload_lines(w: Workload, device: DeviceSpec, currency: str) -> list[str]:
+def _model_lines(w: AnyWorkload) -> list[str]:
+    if isinstance(w, DPOWorkload):
+        return ["models:", _model_line("policy/reference", w.actor, w.actor.lm_params)]
+    lines = ["models:", _model_line("actor/reference", w.actor, w.actor.lm_params)]
+    if w.critic is None:
+        lines.append(f"  {'critic':<16} {'none':>8}         {w.algorithm_name} is critic-free")
+    else:
+        lines.append(_model_line("critic", w.critic, w.critic.scalar_params))
+    if w.reward is None:
+        lines.append(f"  {'reward model':<16} {'none':>8}         no learned reward source of the round")
+    else:
+        lines.append(_model_line("reward model", w.reward, w.reward.scalar_params))
+    lines += [_model_line("reward (path)", r, r.scalar_params) for r in w.extra_rewards]
+    return lines
+
+
+def _workload_lines(w: AnyWorkload, device: DeviceSpec, currency: str) -> list[str]:
     rate = f"{device.peak_flops(w.precision.compute) / 1e12:.3g} TFLOP/s {w.precision.compute}"
     measured = " measured now" if device.measured else ""
-    rows = f"{w.micro_batch_size} rows" if w.micro_batch_size else "whole rank share"
-    return [
+    lines = [
         f"device: {device.name} ({device.memory_gib:.1f} GiB, {rate}, {device.memory_gbs:.3g} GB/s{measured};"
         f" {device.price_per_gpu_hour:g} {currency}/GPU-hour)",
-        "models:",
-        _model_line("actor/reference", w.actor, w.actor.lm_params),
-        _model_line("critic", w.critic, w.critic.scalar_params),
-        _model_line("reward model", w.reward, w.reward.scalar_params),
-        f"workload: {w.steps} steps x {w.rollout_batch} prompts, {w.prompt_tokens} prompt + {w.response_tokens}"
-        f" response tokens, mini-batch {w.mini_batch}, micro-batch {rows}, {w.epochs} epoch(s),"
-        f" rollout {w.rollout_engine} ({w.generate_batch} rows per chunk"
-        + (f", {w.rollout_gpus} dedicated GPU(s))" if w.rollout_gpus else ")"),
+        *_model_lines(w),
+        f"algorithm: {w.label}",
     ]
+    if isinstance(w, DPOWorkload):
+        pairs = f"{w.micro_batch_size} pairs" if w.micro_batch_size else "whole rank share"
+        lines.append(
+            f"workload: {w.steps} steps x {w.batch_size} pairs (chosen + rejected: {2 * w.batch_size} sequences"
+            f" of up to {w.seq_tokens} tokens), micro-batch {pairs}; reference pass {w.pass_pairs} pairs per forward"
+        )
+        return lines
+    rows = f"{w.micro_batch_size} rows" if w.micro_batch_size else "whole rank share"
+    lines.append(
+        f"workload: {w.steps} steps x {w.rows} rows, {w.prompt_tokens} prompt + {w.response_tokens}"
+        f" response tokens, mini-batch {w.mini_rows} rows, micro-batch {rows}, {w.epochs} epoch(s),"
+        f" rollout {w.rollout_engine} ({w.generate_batch} rows per chunk"
+        + (f", {w.rollout_gpus} dedicated GPU(s))" if w.rollout_gpus else ")")
+    )
+    return lines
 
 
 def _estimate_lines(e: Estimate) -> list[str]:
@@ -223,10 +333,14 @@ def _estimate_lines(e: Estimate) -> list[str]:
             f" {e.memory.rollout_concurrency} rows decoded at once"
         )
     lines.append(f"  host RAM per node: {e.memory.cpu_ram_per_node / GIB:.2f} GiB")
-    lines.append("  time per PPO step (s)")
+    lines.append(f"  time per {e.workload.algorithm_name} step (s)")
     for key, name in PHASE_NAMES.items():
+        if isinstance(e.workload, DPOWorkload) and key in ("generation", "scoring"):
+            continue  # DPO samples and scores nothing per step
         lines.append(f"    {name:<30}{getattr(e.step, key):12.3f}")
     lines.append(f"    {'total':<30}{e.step.total:12.3f}")
+    if e.setup_s:
+        lines.append(f"  reference pass, once: {e.setup_s:.3f} s")
     lines.append(
         f"  {e.steps} steps: {e.total_hours:.3g} h x {e.gpus_billed} GPU(s) = {e.gpu_hours:.3g} GPU-hours"
         f" = {_money(e.cost, e.currency)}"
@@ -234,7 +348,7 @@ def _estimate_lines(e: Estimate) -> list[str]:
     return lines
 
 
-def report_text(w: Workload, configured: Estimate, advice: Recommendation) -> str:
+def report_text(w: AnyWorkload, configured: Estimate, advice: Recommendation) -> str:
     lines = _workload_lines(w, configured.device, configured.currency)
     lines += ["", f"as configured: {configured.strategy.label} ({w.precision.name})"]
     lines += _estimate_lines(configured)
@@ -268,6 +382,7 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
         "rollout_gpu_gib": e.memory.rollout_gpu_bytes / GIB,
         "rollout_concurrency": e.memory.rollout_concurrency,
         "step_seconds": asdict(e.step) | {"total": e.step.total},
+        "setup_seconds": e.setup_s,
         "steps": e.steps,
         "total_hours": e.total_hours,
         "gpus_billed": e.gpus_billed,
@@ -277,9 +392,11 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
     }
 
 
-def report_json(w: Workload, configured: Estimate, advice: Recommendation) -> dict[str, Any]:
+def report_json(w: AnyWorkload, configured: Estimate, advice: Recommendation) -> dict[str, Any]:
     return {
         "device": asdict(configured.device),
+        "algorithm": w.algorithm,
+        "summary": w.label,
         "workload": asdict(w),
         "configured": estimate_json(configured),
         "recommended": estimate_json(advice.best) if advice.best else None,
@@ -289,7 +406,9 @@ def report_json(w: Workload, configured: Estimate, advice: Recommendation) -> di
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("estimate", help="memory, time and cost of a PPO run before it starts, and a plan that fits")
+    p = sub.add_parser(
+        "estimate", help="memory, time and cost of a round's RL or DPO stage before it starts, and a plan that fits"
+    )
     p.add_argument("config", nargs="?", help="YAML config, e.g. configs/demo.yaml (default: the built-in defaults)")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. ppo.rollout_batch=512")
     p.add_argument("--model", help="policy: a local Hugging Face folder or a size like 7B, 0.5B (default: model.path)")
@@ -301,6 +420,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--offload", choices=tuple(OFFLOADS), help="none | optimizer | all (optimizer + parameters)")
     p.add_argument("--rollout", choices=ROLLOUT_ENGINES, help="hf (generate on the training GPUs) or vllm (a server)")
     p.add_argument("--rollout-gpus", type=int, help="GPUs only the vLLM server uses (default: from placement)")
+    p.add_argument("--pairs", type=int, help="DPO: preference pairs per epoch (default: counted in data.preferences)")
     p.add_argument(
         "--prices", default=str(DEFAULT_PRICES), help="devices and prices YAML (default: configs/prices.yaml)"
     )

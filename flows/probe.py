@@ -1,4 +1,5 @@
-"""`rlflow probe CONFIG`: run a config's PPO for a few steps and say what the whole run will take.
+"""`rlflow probe CONFIG`: run a config's RL stage (algorithm.name ppo, grpo, rloo or reinforce_pp)
+for a few steps and say what the whole run will take. DPO has no RL stage: it is refused.
 
 Prints memory (peak RSS above the post-import baseline; on a GPU, torch's peak allocation), step
 time (mean, p50, p90), tokens/s, the reward and KL trends, what `rlflow estimate` predicted for
@@ -19,20 +20,37 @@ GIB = 2**30
 
 
 def probe_inputs(config: Any, reward_model: str | None) -> Any:
-    """The PPO stage's starting models for a probe: the config's policy as actor, reference and
-    SFT policy; the reward model from --reward-model, else rm.init when it names a folder, else a
-    scalar head on the policy (zero: the reward trend then says nothing)."""
+    """The RL stage's starting models for a probe: the config's policy as actor, reference and SFT
+    policy. The round's reward model, only when reward.sources has a model without a path: from
+    --reward-model, else rm.init when it names a folder, else a scalar head on the policy (zero:
+    the reward trend then says nothing); sources with a path load their own. The critic, unless the
+    algorithm is critic-free: the reward model (ppo.critic_init rm) or the policy."""
     from rlflow.engine.models import resolve_model_path
     from rlflow.engine.ppo_stage import PPOInputs
 
     policy = resolve_model_path(config.model.path)
-    reward = reward_model or (config.rm.init if config.rm.init != "sft" else policy)
-    reward = resolve_model_path(reward, "--reward-model" if reward_model else "rm.init")
-    critic = reward if config.ppo.critic_init == "rm" else policy
-    return PPOInputs(policy, policy, policy, reward, (0.0, 1.0), critic)
+    reward, norm = None, None
+    if config.reward.learned:
+        reward = reward_model or (config.rm.init if config.rm.init != "sft" else policy)
+        reward = resolve_model_path(reward, "--reward-model" if reward_model else "rm.init")
+        norm = (0.0, 1.0)
+    elif reward_model:
+        raise ConfigError(
+            "--reward-model: reward.sources has no learned reward model of the round (a model source without a"
+            " path), so the probe loads none; drop the flag"
+        )
+    critic = None
+    if not config.algorithm.critic_free:
+        critic = reward if config.ppo.critic_init == "rm" and reward is not None else policy
+    return PPOInputs(policy, policy, policy, reward, norm, critic)
 
 
 def check_probe_config(config: Any, steps: int) -> None:
+    if config.algorithm.name == "dpo":
+        raise ConfigError(
+            "rlflow probe runs the RL stage (algorithm.name ppo, grpo, rloo or reinforce_pp); algorithm.name=dpo"
+            " has none: estimate the DPO stage with `rlflow estimate`"
+        )
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     if config.resources.world_size > 1:
@@ -56,7 +74,7 @@ def estimate_for_probe(config: Any, report: Any, device: str | None, reward_mode
 
 
 def extrapolate(config: Any, step_s: float, price_per_hour: float, gpus: int) -> dict[str, float]:
-    """Hours and cost of every round's PPO steps at the measured mean step time."""
+    """Hours and cost of every round's RL steps at the measured mean step time."""
     steps = config.ppo.steps * config.run.rounds
     hours = step_s * steps / 3600
     return {"ppo_steps": steps, "hours": hours, "gpu_hours": hours * gpus, "cost": hours * gpus * price_per_hour}
@@ -83,7 +101,8 @@ def report_lines(report: Any, estimate: Any, currency: str, extra: dict[str, flo
         f"trend per step: reward {trends['reward_per_step']:+.4f}, KL {trends['kl_per_step']:+.4f}"
         f" (reward {report.steps[0].reward:.3f} -> {report.steps[-1].reward:.3f},"
         f" KL {report.steps[0].kl:.4f} -> {report.steps[-1].kl:.4f})",
-        f"full run ({extra['ppo_steps']} PPO steps = ppo.steps x run.rounds; SFT, reward model and evaluations"
+        f"full run ({extra['ppo_steps']} {estimate.workload.algorithm_name} steps = ppo.steps x run.rounds;"
+        " SFT, reward model and evaluations"
         f" not included): {extra['hours']:.3f} h, {extra['gpu_hours']:.3f} device-hours,"
         f" {extra['cost']:.4g} {currency}",
         f"(loading took {report.load_seconds:.1f} s; nothing was written)",
@@ -121,6 +140,15 @@ def log_probe(config: Any, name: str, report: Any, estimate: Any, extra: dict[st
     return run_id
 
 
+def probed_algorithm(config: Any) -> str:
+    """e.g. "PPO", "GRPO (4 samples per prompt, no critic)": what the probe runs."""
+    from rlflow.engine.estimate_workload import RL_ALGORITHMS
+
+    name, n = RL_ALGORITHMS[config.algorithm.name], config.rollout.n
+    notes = ([f"{n} samples per prompt"] if n > 1 else []) + (["no critic"] if config.algorithm.critic_free else [])
+    return name + (f" ({', '.join(notes)})" if notes else "")
+
+
 def command_probe(args: argparse.Namespace) -> int:
     import torch
 
@@ -133,23 +161,14 @@ def command_probe(args: argparse.Namespace) -> int:
     inputs = probe_inputs(config, args.reward_model)
     torch.set_num_threads(config.run.threads)
     runtime = make_runtime(config.engine)
-    print(f"rlflow: probing {args.steps} PPO step(s) of {args.config} on {runtime.device}", flush=True)
+    what = probed_algorithm(config)
+    print(f"rlflow: probing {args.steps} {what} step(s) of {args.config} on {runtime.device}", flush=True)
 
     def show(step: Any) -> None:
         print(f"  step {step.step}: {step.seconds:.3f} s, reward {step.reward:.3f}, KL {step.kl:.4f}", flush=True)
 
     try:
-        report = run_probe(
-            inputs,
-            config.model,
-            config.ppo,
-            config.data,
-            runtime,
-            args.steps,
-            config.rollout.generate_batch,
-            config.run.seed,
-            show,
-        )
+        report = run_probe(inputs, config, runtime, args.steps, show)
     finally:
         runtime.close()
     estimate, currency = estimate_for_probe(config, report, args.gpu, args.reward_model)
@@ -163,11 +182,15 @@ def command_probe(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("probe", help="run a config's PPO for a few steps: memory, step time, trends, full-run cost")
+    p = sub.add_parser(
+        "probe", help="run a config's RL stage for a few steps: memory, step time, trends, full-run cost"
+    )
     p.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     p.add_argument("--steps", type=int, default=int(os.environ.get("RLFLOW_PROBE_STEPS", "20")))
-    p.add_argument("--reward-model", help="a reward model directory (default: rm.init, else a zero head)")
+    p.add_argument(
+        "--reward-model", help="the round's reward model directory (default: rm.init, else a zero head on the policy)"
+    )
     p.add_argument("--gpu", help="a device name of configs/prices.yaml, for the cost (default: resources.gpu_type)")
     p.add_argument("--no-tracking", action="store_true", help="do not log the probe to MLflow")
     p.set_defaults(handler=command_probe)

@@ -14,6 +14,7 @@ from rlflow.engine.estimate import estimate_ppo, recommend
 from rlflow.engine.estimate_hardware import CpuCalibration, device_spec, load_price_book, measure_cpu
 from rlflow.engine.estimate_memory import (
     GIB,
+    GPU_FRAGMENTATION,
     activation_bytes_per_token_layer,
     estimate_memory,
     kv_cache_bytes,
@@ -29,8 +30,15 @@ from rlflow.engine.estimate_model import (
     shape_from_hf_config,
     shape_from_size,
 )
-from rlflow.engine.estimate_time import DECODE_ENGINES, forward_flops, generation_seconds, training_seconds
-from rlflow.engine.estimate_workload import PRECISIONS, BackendPrecisions, Strategy, Workload
+from rlflow.engine.estimate_time import (
+    DECODE_ENGINES,
+    EFFICIENCY,
+    forward_flops,
+    generation_seconds,
+    scoring_seconds,
+    training_seconds,
+)
+from rlflow.engine.estimate_workload import PRECISIONS, BackendPrecisions, DPOWorkload, Strategy, Workload
 
 ROOT = Path(__file__).parents[2]
 PRICES = load_price_book(ROOT / "configs" / "prices.yaml")
@@ -38,6 +46,7 @@ A100 = device_spec(PRICES, "a100-80g")
 FIXED_CPU = CpuCalibration(fp32_tflops=0.138, memory_gbs=11.2, ram_gib=23.6)
 BF16 = PRECISIONS["bf16-mixed"]
 LLAMA_8B = REFERENCE_SHAPES["Llama-3.1-8B"]
+QWEN_05B = REFERENCE_SHAPES["Qwen2.5-0.5B"]
 
 
 def workload(shape: ModelShape, **changes) -> Workload:
@@ -237,6 +246,112 @@ def test_deepspeed_chat_opt13b_on_8_a100s_is_within_a_factor_of_two_of_the_publi
     )  # fmt: skip
     hours = estimate_ppo(w, Strategy(3, 8, gradient_checkpointing=True), A100, "USD").total_hours
     assert 9 / 2 < hours < 9 * 2
+
+
+# --- algorithms ---------------------------------------------------------------------------------
+
+
+def grpo_of(ppo: Workload, n: int = 4) -> Workload:
+    """The GRPO workload with the same rows as `ppo`: 1/n of its prompts x n samples, no critic."""
+    prompts, mini = ppo.rollout_batch // n, ppo.mini_batch // n
+    return replace(
+        ppo,
+        algorithm="grpo",
+        critic=None,
+        samples_per_prompt=n,
+        kl_in_loss=True,
+        rollout_batch=prompts,
+        mini_batch=mini,
+    )
+
+
+def test_grpo_16_prompts_x_4_samples_samples_and_scores_what_ppo_with_64_prompts_does():
+    ppo = workload(LLAMA_8B)  # 64 prompts, mini-batch 32
+    grpo = grpo_of(ppo)
+    assert (grpo.rollout_batch, grpo.samples_per_prompt) == (16, 4)
+    assert grpo.rows == ppo.rows == 64 and grpo.mini_rows == ppo.mini_rows == 32 and grpo.chunks == ppo.chunks == 4
+    s = Strategy(3, 8)
+    assert generation_seconds(grpo, s, A100, estimate_memory(grpo, s, A100)) == generation_seconds(
+        ppo, s, A100, estimate_memory(ppo, s, A100)
+    )
+    # The same rows through the reference and the reward model; PPO adds the critic's values pass
+    # and the critic's update, GRPO nothing (its KL is a loss term on the reference log-probs).
+    assert scoring_seconds(grpo, s, A100) == scoring_seconds(replace(ppo, critic=None), s, A100)
+    assert scoring_seconds(grpo, s, A100)[0] < scoring_seconds(ppo, s, A100)[0]
+    assert training_seconds(grpo, s, A100) == training_seconds(replace(ppo, critic=None), s, A100)
+    # A vLLM server holds the KV cache of all rows of the step, prompts x samples.
+    vllm = {"rollout_engine": "vllm", "rollout_gpus": 1}
+    concurrency = [estimate_memory(replace(w, **vllm), s, A100).rollout_concurrency for w in (ppo, grpo)]
+    assert concurrency == [64, 64]
+    assert "GRPO: 16 prompts x 4 samples = 64 rows per step, no critic, KL in the loss" in grpo.label
+
+
+@pytest.mark.parametrize("strategy", [Strategy(0, 1), Strategy(1, 8), Strategy(3, 8)], ids=lambda s: s.label)
+def test_critic_free_memory_is_smaller_by_exactly_the_critics_states(strategy):
+    ppo = workload(LLAMA_8B, critic=QWEN_05B)
+    grpo = grpo_of(ppo)
+    weights, grads, optimizer = partitioned_states(QWEN_05B.scalar_params, BF16, strategy.zero_stage, strategy.n_gpus)
+    for with_critic, without in zip(
+        estimate_memory(ppo, strategy, A100).phases, estimate_memory(grpo, strategy, A100).phases
+    ):
+        critic = {"critic_weights": weights, "optimizer_states": optimizer}
+        if (
+            with_critic.phase == "training" and strategy.zero_stage > 0
+        ):  # the torch backend frees each model's at its step
+            critic["gradients"] = grads
+        less = {k: v - without.components()[k] for k, v in with_critic.components().items()}
+        assert less.pop("framework_overhead") == pytest.approx(GPU_FRAGMENTATION * sum(critic.values()))
+        assert less == pytest.approx(dict.fromkeys(less, 0.0) | critic), with_critic.phase
+
+
+def test_rule_rewards_need_no_reward_model_and_a_reward_model_by_path_costs_like_the_rounds():
+    ppo, s = workload(LLAMA_8B), Strategy(3, 8)
+    rules = replace(ppo, reward=None)  # reward.sources: rules and functions only, in CPU workers
+    assert all(p.reward_weights == 0 for p in estimate_memory(rules, s, A100).phases)
+    assert scoring_seconds(rules, s, A100)[0] < scoring_seconds(ppo, s, A100)[0]
+    by_path = replace(ppo, reward=None, extra_rewards=(LLAMA_8B,))
+    assert estimate_memory(by_path, s, A100) == estimate_memory(ppo, s, A100)
+    assert scoring_seconds(by_path, s, A100) == scoring_seconds(ppo, s, A100)
+
+
+def dpo_workload(**changes) -> DPOWorkload:
+    base = DPOWorkload(
+        LLAMA_8B, LLAMA_8B, pairs=1000, batch_size=32, epochs=2, seq_tokens=512, precision=BF16, micro_batch_size=4
+    )
+    return replace(base, **changes)
+
+
+def test_dpo_holds_one_model_per_phase_and_runs_the_reference_pass_once():
+    w, s = dpo_workload(), Strategy(3, 8, gradient_checkpointing=True)
+    e = estimate_ppo(w, s, A100, "USD")
+    reference, training = e.memory.phases
+    assert (reference.phase, training.phase) == ("reference", "training")
+    # The reference pass runs before the policy is loaded; the reference is freed before training.
+    assert reference.actor_weights == reference.gradients == reference.optimizer_states == 0
+    assert reference.reference_weights == LLAMA_8B.lm_params * 2 / 8
+    states = partitioned_states(LLAMA_8B.lm_params, BF16, 3, 8)
+    assert (training.actor_weights, training.gradients, training.optimizer_states) == states
+    assert training.reference_weights == training.critic_weights == training.reward_weights == training.kv_cache == 0
+    # 32 pairs over 8 ranks: 4 pairs per micro-batch, chosen + rejected = 8 sequences of 512 tokens.
+    assert training.activations == training_activation_bytes(LLAMA_8B, 8 * 512, 2, checkpointing=True)
+    assert e.steps == 2 * 32 and e.step.generation == e.step.scoring == 0 and e.setup_s > 0
+    assert e.total_hours == pytest.approx((e.step.total * e.steps + e.setup_s) / 3600)
+
+
+def test_dpo_reference_pass_is_a_forward_over_what_one_epoch_trains_on():
+    # Compute-bound and without ZeRO-3 gathers: the pass over 1000 pairs costs a forward where an
+    # epoch over the same pairs costs forward + backward (3 forwards), at their MFUs.
+    w, s = dpo_workload(epochs=1), Strategy(1, 8)
+    e = estimate_ppo(w, s, A100, "USD")
+    gpu = EFFICIENCY["gpu"]
+    ratio = (1 / gpu.forward_mfu) / (3 / gpu.train_mfu)
+    assert e.setup_s / (e.step.training * e.steps) == pytest.approx(ratio, rel=0.03)
+
+
+def test_dpo_of_an_8b_policy_gets_a_zero_plan_and_too_many_ranks_are_refused():
+    advice = recommend(dpo_workload(), A100, "USD", 8, Strategy(0, 1))
+    assert advice.best.fits and advice.best.strategy.zero_stage >= 1 and "the 8.03B policy" in advice.reason
+    assert dpo_workload(batch_size=4).rank_shares_problem(8) == "dpo.batch_size=4 is below 8 ranks"
 
 
 # --- recommendation -----------------------------------------------------------------------------

@@ -88,3 +88,36 @@ def test_a_model_folder_without_config_json_is_named(tiny_model, tmp_path, capsy
     (tmp_path / "weights-only").mkdir()
     assert main(["estimate", DEMO, "--model", str(tmp_path / "weights-only"), "--gpu", "cpu"]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_a_grpo_config_says_what_it_estimates(tiny_model, capsys):
+    grpo = ["algorithm.name=grpo", "rollout.n=4", "ppo.rollout_batch=16", "ppo.mini_batch=8"]
+    assert main(["estimate", DEMO, f"model.path={tiny_model}", *grpo, "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm: GRPO: 16 prompts x 4 samples = 64 rows per step, no critic, KL in the loss" in out
+    assert "GRPO is critic-free" in out and "critic weights" not in out and "time per GRPO step (s)" in out
+    rules = "reward.sources=[{name: len, type: length, kwargs: {target: 5}}]"
+    report = run_json(capsys, DEMO, f"model.path={tiny_model}", *grpo, rules, "--gpu", "cpu")
+    assert report["algorithm"] == "grpo" and report["workload"]["critic"] is None
+    assert report["workload"]["reward"] is None and report["configured"]["memory_gib"]["scoring"]["reward_weights"] == 0
+
+
+def test_a_dpo_config_is_estimated_from_its_preference_pairs(tiny_model, tmp_path, capsys):
+    pair = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    (tmp_path / "prefs.jsonl").write_text("\n".join(json.dumps(p) for p in (pair, pair, pair | {"rejected": "a"})))
+    (tmp_path / "eval.jsonl").write_text(json.dumps(pair))
+    data = [f"data.preferences={tmp_path / 'prefs.jsonl'}", f"data.preferences_eval={tmp_path / 'eval.jsonl'}"]
+    dpo = ["algorithm.name=dpo", "label.online_from_round=null", "dpo.batch_size=2", *data]
+    assert main(["estimate", DEMO, f"model.path={tiny_model}", *dpo, "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out  # the tied pair carries no preference: 2 pairs, 1 step per epoch
+    assert "algorithm: DPO: 2 pairs x 1 epoch(s) = 1 step(s) of 2 pairs, reference pass once over 3 pairs" in out
+    assert "time per DPO step (s)" in out and "reference pass, once:" in out and "\n    generation" not in out
+    report = run_json(capsys, DEMO, f"model.path={tiny_model}", *dpo, "--pairs", "100", "--gpu", "cpu")
+    configured = report["configured"]
+    assert report["algorithm"] == "dpo" and set(configured["memory_gib"]) == {"reference", "training"}
+    assert configured["steps"] == 50 and configured["setup_seconds"] > 0
+    assert configured["total_hours"] == pytest.approx(
+        (configured["step_seconds"]["total"] * 50 + configured["setup_seconds"]) / 3600
+    )
+    assert main(["estimate", DEMO, "algorithm.name=dpo", "--reward-model", "7B", "--pairs", "9"]) == 2
+    assert "trains without a reward model" in capsys.readouterr().err

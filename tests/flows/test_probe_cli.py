@@ -1,5 +1,6 @@
-"""`rlflow probe`: a few PPO steps measured and logged to MLflow, nothing written; its memory
-measurement agrees with `rlflow estimate` within 25% at ~50M parameters; bad input."""
+"""`rlflow probe`: a few PPO steps measured and logged to MLflow, nothing written; a GRPO probe
+with a rule reward (no critic, no reward model); its memory measurement agrees with `rlflow
+estimate` within 25% at ~50M parameters; bad input (DPO has no RL stage to probe)."""
 
 import os
 import re
@@ -40,6 +41,22 @@ def test_probe_measures_logs_and_writes_nothing(small_assets, tmp_path, capsys):
     assert run.data.metrics["probe/step_s_mean"] > 0 and run.data.metrics["probe/peak_rss_above_baseline_gib"] > 0
     assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/step")] == [1, 2, 3]
     assert run.data.params["config.ppo.rollout_batch"] == "8"
+
+
+RULE_REWARD = "reward.sources=[{name: len, type: length, kwargs: {target: 3}}]"
+
+
+def test_a_grpo_probe_runs_the_algorithm_without_critic_or_reward_model(small_assets, tmp_path, capsys):
+    config = write_config(tmp_path, small_assets, run={"threads": 1})
+    grpo = ["algorithm.name=grpo", "rollout.n=2", "ppo.rollout_batch=4", "ppo.mini_batch=4", "ppo.max_new_tokens=6"]
+    rules = [RULE_REWARD, "reward.workers=1"]  # scored in a worker process: no --reward-model needed
+    assert main(["probe", str(config), *grpo, *rules, "--steps", "2", "--no-tracking", "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "probing 2 GRPO (2 samples per prompt, no critic) step(s)" in out
+    assert len(re.findall(r"^  step \d: [\d.]+ s, reward", out, re.M)) == 2
+    phases = re.search(r"^phases \(median s\): (.*)$", out, re.M).group(1)
+    assert "update_actor" in phases and "values" not in phases and "update_critic" not in phases
+    assert "full run (3 GRPO steps" in out and "estimate" in out
 
 
 def _fifty_million(small_assets: Path, folder: Path) -> Path:
@@ -92,6 +109,11 @@ def test_memory_estimate_is_within_25_percent_of_the_measured_peak_at_50m(small_
             "runs one process",
         ),
         (["--reward-model", "/nonexistent/rm"], "--reward-model '/nonexistent/rm' does not exist"),
+        (["algorithm.name=dpo"], "rlflow probe runs the RL stage"),
+        (
+            ["algorithm.name=grpo", "rollout.n=2", RULE_REWARD, "--reward-model", "/some/rm"],
+            "reward.sources has no learned reward model",
+        ),
     ],
 )
 def test_bad_probe_input_names_the_flag_or_key(small_assets, tmp_path, capsys, args, message):
