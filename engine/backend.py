@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from rlflow.engine import dist
 from rlflow.engine.batching import micro_batch_groups
-from rlflow.engine.config import EngineConfig
+from rlflow.engine.config import EngineConfig, LoraConfig
+from rlflow.engine.lora import apply_lora, is_lora_model, merged_named_parameters
 from rlflow.engine.optim_state import ParamState, ShardReader
 from rlflow.engine.train_state import adam_step_tensor, make_optimizer, make_schedule
 from torch import nn
@@ -95,7 +96,11 @@ class TrainEngine:
         return self.model.state_dict() if dist.is_main() else None
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every parameter, one at a time (weight sync, fingerprints)."""
+        """(name, full tensor) for every parameter, one at a time (weight sync, fingerprints). A LoRA
+        model yields its merged weights under the plain model's names: what a full copy holds."""
+        if is_lora_model(self.model):
+            yield from merged_named_parameters(self.model)
+            return
         yield from self.model.named_parameters()
 
     # -- shared --------------------------------------------------------------------------------
@@ -239,8 +244,13 @@ class Runtime:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         return model
 
-    def trainable(self, name: str, load: Callable[[], nn.Module], optim: OptimSpec) -> TrainEngine:
-        return TorchTrainEngine(name, self._prepare(load()), optim)
+    def trainable(
+        self, name: str, load: Callable[[], nn.Module], optim: OptimSpec, lora: LoraConfig | None = None
+    ) -> TrainEngine:
+        """`load()`'s model with an optimizer; with `lora` (model.lora), fresh LoRA adapters on it
+        are all that trains (the optimizer and its checkpoint shards see only them)."""
+        model = load()
+        return TorchTrainEngine(name, self._prepare(apply_lora(model, lora) if lora else model), optim)
 
     def frozen(self, load: Callable[[], nn.Module]) -> nn.Module:
         model = load().eval()

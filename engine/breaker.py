@@ -20,7 +20,6 @@ from rlflow.engine import dist
 from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import FunctionRef, RewardConfig, SafetyConfig
 from rlflow.engine.errors import CheckpointError, RewardSourceError
-from rlflow.engine.evaluation import ScoringModels
 from rlflow.engine.reward_source import FALLBACK_METRIC, FallbackState, RewardSource
 from rlflow.engine.stage import StageContext, StageOutcome
 
@@ -103,7 +102,7 @@ class PPOSafety:
         saved: dict[str, Any] | None,
         resume: int | None,
         controller: Any,
-        scoring: ScoringModels,
+        reward: RewardSource,
     ):
         self.guards, self.label, self.state = guards, label, GuardState.from_json(saved)
         o, s = guards.overrides, self.state
@@ -122,7 +121,8 @@ class PPOSafety:
             log.warning("%s: KL coefficient set to %g by the operator", label, o.kl_coef)
         if s.fallback is not None:
             log.warning("%s: the fallback reward rule %s stays active (it was before the resume)", label, s.fallback.fn)
-        self.reward = RewardSource(scoring.reward_model, scoring.score_norm, guards.fallback_rule, s.fallback)
+        reward.fallback = s.fallback
+        self.reward = reward
 
     def observe(self, step: int, metrics: dict[str, float], ended: bool) -> Breach | None:
         """After a step: add the guards' metrics; a Breach when the KL breaker trips (not on a

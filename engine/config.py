@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -43,12 +44,44 @@ class RunConfig(Section):
         return value
 
 
+class LoraConfig(Section):
+    """LoRA adapters (engine/lora.py, through peft): only they (and a scalar model's head) train."""
+
+    r: int = Field(8, ge=1)  # rank of each adapter pair A [r x in], B [out x r]
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / r
+    dropout: float = Field(0.0, ge=0, lt=1)  # on an adapter's input only; the base model keeps none
+    # Short names of the linear modules to adapt (e.g. q_proj), or "all-linear" for every linear
+    # layer of the backbone (never the LM or score head).
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    # The training stages that train adapters; the others train every weight (e.g. a full SFT of a
+    # model that was never pretrained, then LoRA for the reward model and RL).
+    stages: list[Literal["sft", "rm", "ppo", "dpo"]] = Field(default_factory=lambda: ["sft", "rm", "ppo", "dpo"])
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _named_modules(cls, value: Any) -> Any:
+        empty = isinstance(value, list) and (not value or not all(isinstance(n, str) and n.strip() for n in value))
+        if empty or (isinstance(value, str) and value != "all-linear"):
+            raise ValueError(
+                "model.lora.target_modules must be a list naming at least one module (e.g. [q_proj, v_proj])"
+                ' or "all-linear"'
+            )
+        return value
+
+
 class ModelConfig(Section):
     path: str = "demo_assets/tiny-model"  # local HF directory or hub id
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # flash_attention_2 falls back to sdpa with a warning when the flash-attn package is missing.
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
+    lora: LoraConfig | None = None  # None: every weight trains; a LoRA stage's model/ holds adapters + base pointer
+
+    def lora_for(self, stage: str) -> LoraConfig | None:
+        """The adapters `stage` trains (None: all its weights train)."""
+        return self.lora if self.lora is not None and stage in self.lora.stages else None
 
 
 class DataConfig(Section):
@@ -154,7 +187,7 @@ class LabelConfig(Section):
     labeller: FunctionRef = Field(
         default_factory=lambda: FunctionRef(fn="rlflow.engine.demo_task:noisy_gold_labeller", kwargs={"noise": 0.1})
     )
-    online_from_round: int | None = Field(1, ge=1)  # None: offline preferences only
+    online_from_round: int | None = Field(1, ge=0)  # None: offline preferences only; 0: pairs of the SFT policy
     prompts_per_round: int = Field(512, ge=1)
     # Human labels (fsspec prefix): `rlflow label import` writes <inbox>/<run>/round_<n>.jsonl
     # there; round r's reward model also trains on those of rounds < r. Watched by the
@@ -202,6 +235,7 @@ class StageConfig(Section):
     label: StagePolicy = Field(default_factory=StagePolicy)
     rm: StagePolicy = Field(default_factory=StagePolicy)
     ppo: StagePolicy = Field(default_factory=StagePolicy)
+    dpo: StagePolicy = Field(default_factory=StagePolicy)
     eval: StagePolicy = Field(default_factory=StagePolicy)
 
     def policy(self, stage: str) -> StagePolicy:
@@ -329,6 +363,15 @@ class Config(Section):
         return [function_ref(ref) for ref in refs]
 
     @model_validator(mode="after")
+    def _lora_needs_torch_backend(self) -> Config:
+        if self.model.lora is not None and self.engine.backend != "torch":
+            raise ValueError(
+                f"model.lora needs engine.backend=torch for now (got {self.engine.backend}): LoRA adapters under"
+                " DeepSpeed ZeRO are not supported yet; set engine.backend=torch or remove model.lora"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_process_unless_deepspeed(self) -> Config:
         if self.resources.world_size > 1 and self.engine.backend != "deepspeed":
             raise ValueError(
@@ -340,6 +383,12 @@ class Config(Section):
             raise ValueError(
                 f"algorithm.name={algorithm} compares the samples of one prompt with each other: it needs"
                 f" rollout.n >= 2 samples per prompt (got {n}); e.g. rollout.n=4"
+            )
+        if algorithm in ("ppo",) and self.ppo.critic_init == "rm" and not self.reward.learned:
+            raise ValueError(
+                "ppo.critic_init=rm starts the critic from the round's reward model, but reward.sources has no"
+                " model source without a path (so no reward model is trained); set ppo.critic_init=policy or a"
+                " critic-free algorithm.name (grpo, rloo, reinforce_pp)"
             )
         world = self.resources.world_size
         # Every rank needs rows in every pass (ZeRO's collectives run in each forward and backward).
@@ -368,6 +417,9 @@ def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
             continue
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
+        members = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+        if len(members) == 1 and isinstance(annotation, types.UnionType):  # an optional section (model.lora)
+            annotation = members[0]
         if getattr(annotation, "__origin__", None) is list:
             annotation = annotation.__args__[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 from rlflow.engine import dist
-from rlflow.engine.errors import NonFiniteUpdates
+from rlflow.engine.errors import ConfigError, NonFiniteUpdates
 from rlflow.engine.backend import OptimSpec, Runtime, TrainEngine
-from rlflow.engine.config import EngineConfig
+from rlflow.engine.config import EngineConfig, LoraConfig
 from rlflow.engine.optim_state import MOMENTS, ParamState, ShardReader
 from rlflow.engine.train_state import adam_step_tensor, make_optimizer, make_schedule
 from torch import nn
@@ -214,7 +214,14 @@ class DeepSpeedRuntime(Runtime):
 
             unset_hf_deepspeed_config()
 
-    def trainable(self, name: str, load: Callable[[], nn.Module], optim: OptimSpec) -> TrainEngine:
+    def trainable(
+        self, name: str, load: Callable[[], nn.Module], optim: OptimSpec, lora: LoraConfig | None = None
+    ) -> TrainEngine:
+        if lora is not None:
+            raise ConfigError(
+                "model.lora needs engine.backend=torch for now: LoRA adapters under DeepSpeed ZeRO are not"
+                " supported yet; set engine.backend=torch or remove model.lora"
+            )
         import deepspeed
 
         config = ds_config(self.cfg, optim.max_grad_norm, self.bf16, train=True)

@@ -42,3 +42,8 @@ class RunHalted(RlflowError):
     exit code."""
 
     exit_code = 3
+
+
+class RewardFunctionError(RlflowError):
+    """A reward function or rule raised, returned a non-finite value or ran past reward.timeout_s
+    under reward.on_error=fail; the message names the source and the sample."""

@@ -20,8 +20,8 @@ from rlflow.engine.scoring import GoldScores, score_answers
 class ScoringModels:
     """What an evaluation scores answers with. Reward scores are normalised by score_norm."""
 
-    reward_model: torch.nn.Module
-    score_norm: tuple[float, float]  # (mean, std) of raw scores on the fixed reference set
+    reward_model: torch.nn.Module | None  # None: the round trains no reward model (eval/rm_score absent)
+    score_norm: tuple[float, float] | None  # (mean, std) of raw scores on the fixed reference set
     reference: torch.nn.Module  # PPO's KL anchor
     sft: torch.nn.Module  # the SFT policy, for eval/kl_to_sft
     gold: Callable[..., Any]
@@ -86,7 +86,11 @@ def evaluate_policy(
         rows = len(chunk)
         logprobs = batched_logprobs(policy, batch, sampling.temperature, chunk=rows)
         mask = batch.response_mask
-        columns = [normalised_scores(models.reward_model, batch, models.score_norm, rows)]
+        columns = [
+            torch.full((rows,), float("nan"))
+            if models.reward_model is None
+            else normalised_scores(models.reward_model, batch, models.score_norm, rows)
+        ]
         for anchor in (models.reference, models.sft):
             anchor_lp = batched_logprobs(anchor, batch, sampling.temperature, chunk=rows)
             columns.append(masked_mean(kl_penalty(logprobs, anchor_lp, "k3"), mask, dim=1))
@@ -112,7 +116,6 @@ def evaluate_policy(
     metrics = {
         "eval/gold_score": mean,
         "eval/gold_score_stderr": math.sqrt(var / n),
-        "eval/rm_score": float(torch.cat(rm).mean()),
         "eval/kl": float(torch.cat(kl_ref).mean()),
         "eval/kl_to_sft": float(torch.cat(kl_sft).mean()),
         "eval/response_length": float(torch.cat(lengths).float().mean()),
@@ -121,13 +124,15 @@ def evaluate_policy(
             sum(gold.components["valid"]) / n if "valid" in gold.components else sum(s > 0 for s in gold.scores) / n
         ),
     }
+    if models.reward_model is not None:
+        metrics["eval/rm_score"] = float(torch.cat(rm).mean())
     metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
     rows = [
         {
             "prompt": records[i].prompt,
             "response": texts[i],
             "gold_score": gold.scores[i],
-            "rm_score": float(torch.cat(rm)[i]),
+            "rm_score": None if models.reward_model is None else float(torch.cat(rm)[i]),
         }
         for i in range(min(n_samples, n))
     ]

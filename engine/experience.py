@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from rlflow.engine import dist
+from rlflow.engine.advantages import compute_advantages
 from rlflow.engine.algos import (
-    compute_gae_advantages,
     compute_token_rewards,
     explained_variance,
     kl_penalty,
@@ -25,7 +25,7 @@ from rlflow.engine.algos import (
     masked_whiten,
 )
 from rlflow.engine.backend import Runtime, TrainEngine
-from rlflow.engine.config import PPOConfig
+from rlflow.engine.config import AlgorithmConfig, PPOConfig
 from rlflow.engine.evaluation import ScoringModels, normalised_scores
 from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout import (
@@ -47,10 +47,28 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What the RL update optimises: the advantage estimator (algorithm.name), the group size
+    (rollout.n samples per prompt) and where the KL to the reference goes (reward or loss)."""
+
+    estimator: str = "ppo"  # a key of engine/advantages.py ADVANTAGE_ESTIMATORS
+    group_size: int = 1
+    kl_in_loss: bool = False  # True: kl_loss_coef x kl_loss_type in the actor loss, none in the reward
+    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.0
+    norm_std: bool = True  # GRPO: divide by the group's std
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig, n: int) -> Objective:
+        a = algorithm
+        return cls(a.name, n, a.kl_in_loss, a.kl_loss_type, a.kl_loss_coef, a.norm_std)
+
+
 @dataclass
 class PPOModels:
     actor: TrainEngine
-    critic: TrainEngine
+    critic: TrainEngine | None  # None: a critic-free estimator (GRPO, RLOO, REINFORCE++)
     tokenizer: Any
     scoring: ScoringModels  # reward model, reference, SFT policy, gold (evaluation only)
     runtime: Runtime
@@ -64,7 +82,7 @@ class ScoredRollout:
 
     batch: RolloutBatch
     ref_logprobs: torch.Tensor  # [B, R] reference log-probs
-    scores: torch.Tensor  # [B] normalised reward-model (or fallback rule) scores
+    scores: torch.Tensor  # [B] the weighted sum of the reward sources (or the fallback rule's score)
     old_logprobs: torch.Tensor | None  # [B, R] policy log-probs at sampling time; None: the update computes them
     values: torch.Tensor | None  # [B, R] critic values at sampling time; None: the update computes them
 
@@ -76,11 +94,11 @@ class Experience:
     batch: RolloutBatch
     old_logprobs: torch.Tensor  # [B, R] policy log-probs at sampling time
     ref_logprobs: torch.Tensor  # [B, R] reference log-probs
-    values: torch.Tensor  # [B, R] critic values at sampling time
-    scores: torch.Tensor  # [B] normalised reward-model scores
-    token_rewards: torch.Tensor  # [B, R] -kl_coef * KL per token, + score at the last token
-    advantages: torch.Tensor  # [B, R] GAE, whitened over response tokens if configured
-    returns: torch.Tensor  # [B, R] GAE returns (critic targets)
+    values: torch.Tensor  # [B, R] critic values at sampling time (zeros without a critic)
+    scores: torch.Tensor  # [B] reward of each sample (sum over the reward sources, weighted)
+    token_rewards: torch.Tensor  # [B, R] -kl_coef * KL per token (KL in the reward), + score at the last token
+    advantages: torch.Tensor  # [B, R] by the objective's estimator (PPO: GAE, whitened if configured)
+    returns: torch.Tensor  # [B, R] returns (PPO: the critic's targets)
 
 
 def sampling_params(cfg: PPOConfig) -> SamplingParams:
@@ -99,8 +117,9 @@ def timed(timings: dict[str, float], key: str, fn: Callable[[], T]) -> T:
 def _score_chunk(
     models: PPOModels, cfg: PPOConfig, batch: RolloutBatch, step: int, timings: dict[str, float], from_update: bool
 ) -> list[torch.Tensor | None]:
-    """[old_logprobs, ref_logprobs, values] ([b, R] each, the first and last None if `from_update`)
-    and normalised scores [b] of one chunk."""
+    """[old_logprobs, ref_logprobs, values] ([b, R] each, the first and last None if `from_update`;
+    values zeros without a critic) and the chunk's scores: [b, S] per learned source with a
+    RewardSource, else the reward model's normalised [b]."""
     rows, scoring = batch.input_ids.shape[0], models.scoring
     reward = models.reward
     old = (
@@ -113,11 +132,12 @@ def _score_chunk(
         )
     )
     ref = timed(timings, "timing_s/ref", lambda: batched_logprobs(scoring.reference, batch, cfg.temperature, rows))
-    values = (
-        None
-        if from_update
-        else timed(timings, "timing_s/values", lambda: batched_values(models.critic.forward, batch, rows))
-    )
+    if models.critic is None:
+        values = torch.zeros_like(ref)
+    elif from_update:
+        values = None
+    else:
+        values = timed(timings, "timing_s/values", lambda: batched_values(models.critic.forward, batch, rows))
     scores = timed(
         timings,
         "timing_s/reward",
@@ -177,9 +197,11 @@ def sample_and_score(
             (c, prompts[c * generate_batch : (c + 1) * generate_batch], step_seed(seed, c)) for c in range(n_chunks)
         ]
         served = timed(timings, "timing_s/gen", lambda: models.rollout.sample_chunks(spans, params))
-    batches, scored, checks = [], [], []
-    frozen = (models.scoring.reference, models.scoring.reward_model)
-    with models.runtime.inference(), models.runtime.onloaded(*frozen):
+    batches, scored, checks, submitted = [], [], [], []
+    reward = models.reward
+    frozen = [models.scoring.reference, models.scoring.reward_model]
+    frozen += [s.model for s in reward.learned] if reward is not None else []
+    with models.runtime.inference(), models.runtime.onloaded(*{id(m): m for m in frozen if m is not None}.values()):
         for c, real in dist.rank_chunks(len(prompts), generate_batch):
             if served is not None:
                 batch = served[c]
@@ -193,6 +215,9 @@ def sample_and_score(
                         models.actor.model, models.tokenizer, chunk, params, step_seed(seed, c), **kwargs
                     ),
                 )
+            if reward is not None and real:  # rules and functions score it while the next chunk samples
+                span = records[c * generate_batch : c * generate_batch + batch.input_ids.shape[0]]
+                submitted.append((reward.submit(batch, span), batch.input_ids.shape[0]))
             parts = _score_chunk(models, cfg, batch, step, timings, from_update)
             if real:
                 batches.append(batch)
@@ -200,8 +225,11 @@ def sample_and_score(
                 if models.rollout is not None:  # PPO's old log-probs double as the weight-sync probe
                     checks.append(models.rollout.check(c, parts[0], batch.response_mask))
             fault_point("ppo", "rollout", step)
-        if models.reward is not None:  # a failed reward source raises here, on every rank alike
-            models.reward.settle()
+        if reward is not None:  # a failed reward source raises here, on every rank alike
+            for parts, (handle, rows) in zip(scored, submitted):
+                collected = timed(timings, "timing_s/reward", lambda: reward.collect(handle, rows))
+                parts[3] = torch.cat([parts[3], collected], 1)
+            reward.settle()
     if models.rollout is not None:
         timings.update(models.rollout.metrics(checks))
     n = len(prompts)
@@ -214,22 +242,32 @@ def sample_and_score(
         return dist.gather_chunked(pad_responses(parts) if i < 3 else torch.cat(parts), n, generate_batch, 0.0, False)
 
     scores = gathered(3)
-    if models.reward is not None:  # records: the prompts' rows, for a fallback rule reward
-        scores = models.reward.final_scores(scores, records, batch.response_texts)
+    if reward is not None:  # records: the prompts' rows, for a fallback rule reward
+        scores = reward.final_scores(scores, records, batch.response_texts)
     return ScoredRollout(batch, gathered(1), scores, gathered(0), gathered(2))
 
 
 def assemble_experience(
-    rollout: ScoredRollout, old_logprobs: torch.Tensor, values: torch.Tensor, kl_coef: float, cfg: PPOConfig
+    rollout: ScoredRollout,
+    old_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    kl_coef: float,
+    cfg: PPOConfig,
+    objective: Objective = Objective(),
 ) -> Experience:
-    """KL-penalised token rewards, GAE advantages (whitened if configured) and returns.
+    """Token rewards (the score on each row's last token, minus kl_coef x KL per token unless the
+    KL is a loss term), then advantages and returns by the objective's estimator; PPO's GAE
+    advantages are whitened over response tokens if configured.
 
     old_logprobs, values: [B, R] at sampling time (masked); the rollout's own, or the update's."""
     mask = rollout.batch.response_mask
     kl = kl_penalty(old_logprobs, rollout.ref_logprobs, cfg.kl.estimator) * mask
-    rewards = compute_token_rewards(rollout.scores, kl, mask, kl_coef)
-    advantages, returns = compute_gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
+    rewards = compute_token_rewards(rollout.scores, kl, mask, 0.0 if objective.kl_in_loss else kl_coef)
+    o = objective
+    advantages, returns = compute_advantages(
+        o.estimator, rewards, values, mask, o.group_size, cfg.gamma, cfg.lam, o.norm_std
+    )
+    if o.estimator == "ppo" and cfg.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
         advantages = masked_whiten(advantages, mask)
     return Experience(
         rollout.batch, old_logprobs, rollout.ref_logprobs, values, rollout.scores, rewards, advantages, returns
@@ -252,9 +290,10 @@ def make_experience(
     return assemble_experience(rollout, rollout.old_logprobs, rollout.values, kl_coef, cfg)
 
 
-def experience_metrics(exp: Experience, kl_coef: float) -> dict[str, float]:
+def experience_metrics(exp: Experience, kl_coef: float, has_critic: bool = True) -> dict[str, float]:
+    """The rollout's metrics; `kl_coef`: the KL's weight in the reward (or in the loss)."""
     mask = exp.batch.response_mask
-    return {
+    metrics = {
         "actor/kl": float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k3"), mask)),
         "actor/kl_coef": kl_coef,
         "critic/score/mean": float(exp.scores.mean()),
@@ -263,9 +302,11 @@ def experience_metrics(exp: Experience, kl_coef: float) -> dict[str, float]:
         "critic/rewards/mean": float(masked_mean(exp.token_rewards, mask)),
         "critic/advantages/mean": float(masked_mean(exp.advantages, mask)),
         "critic/returns/mean": float(masked_mean(exp.returns, mask)),
-        "critic/values/mean": float(masked_mean(exp.values, mask)),
-        "critic/vf_explained_var": float(explained_variance(exp.values, exp.returns, mask)),
         "response_length/mean": float(mask.sum(1).mean()),
         # Which tokens were drawn, exactly: equal checksums across runs mean identical samples.
         "rollout/response_ids_crc32": float(zlib.crc32((exp.batch.response_ids * mask.long()).numpy().tobytes())),
     }
+    if has_critic:
+        metrics["critic/values/mean"] = float(masked_mean(exp.values, mask))
+        metrics["critic/vf_explained_var"] = float(explained_variance(exp.values, exp.returns, mask))
+    return metrics

@@ -237,7 +237,9 @@ def _write_clean_dir(
     source: str, out: str, step_uri: str, card: ModelCard, sampling: dict[str, Any], max_shard_size: int | str
 ) -> int:
     """Load the policy and tokenizer from `source`, save them and the card into `out`; return the
-    parameter count. Loading and saving (not copying) is what leaves nothing else behind."""
+    parameter count. Loading and saving (not copying) is what leaves nothing else behind. A LoRA
+    directory (engine/lora.py) is loaded as its base with every adapter merged in: a full model."""
+    from rlflow.engine.lora import is_lora_dir, load_lora_dir
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -249,7 +251,8 @@ def _write_clean_dir(
                 " export an sft or ppo step"
             )
         # dtype "auto": a bf16 checkpoint stays bf16; safetensors only, a pickle is never loaded.
-        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", use_safetensors=True)
+        load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype="auto", use_safetensors=True)  # noqa: E731
+        model = load_lora_dir(source, load, step_uri) if is_lora_dir(source) else load(source)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

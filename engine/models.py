@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCALAR_HEAD_NAMES = ("score", "classifier", "v_head")
 
 
 def resolve_model_path(path: str, key: str = "model.path") -> str:
@@ -155,8 +156,14 @@ def load_policy(
     key: str = "model.path",
     attn_implementation: str = "sdpa",
 ):
+    """A causal LM from an HF directory, a hub id, or a LoRA directory (engine/lora.py: its base
+    with every adapter merged in, a plain HF model all the same)."""
+    from rlflow.engine.lora import is_lora_dir, load_lora_dir
     from transformers import AutoModelForCausalLM
 
+    if is_lora_dir(path):
+        load_base = lambda base: load_policy(base, dtype, trust_remote_code, key, attn_implementation)  # noqa: E731
+        return load_lora_dir(path, load_base, key)
     model = _from_pretrained(
         AutoModelForCausalLM,
         path,
@@ -179,9 +186,15 @@ def load_scalar_model(
     """A one-output `AutoModelForSequenceClassification` (reward model or critic).
 
     Loading a causal-LM directory gives a freshly initialised head; it is zeroed so a new critic
-    or reward model starts at 0 instead of random noise. A trained head is kept as it is.
+    or reward model starts at 0 instead of random noise. A trained head is kept as it is. A LoRA
+    directory (engine/lora.py) loads as its base with every adapter (and a trained head) merged in.
     """
+    from rlflow.engine.lora import is_lora_dir, load_lora_dir
     from transformers import AutoModelForSequenceClassification
+
+    if is_lora_dir(path):
+        load_base = lambda base: load_scalar_model(base, dtype, trust_remote_code, key, attn_implementation)  # noqa: E731
+        return load_lora_dir(path, load_base, key)
 
     model, info = _from_pretrained(
         AutoModelForSequenceClassification,
@@ -208,8 +221,14 @@ def load_scalar_model(
 
 
 def scalar_head(model: nn.Module) -> nn.Linear:
-    for name in ("score", "classifier", "v_head"):
+    """The linear head in use: under LoRA (peft's modules_to_save wrapper) its trained copy, or the
+    original while the adapters are disabled."""
+    for name in SCALAR_HEAD_NAMES:
         head = getattr(model, name, None)
+        copies = getattr(head, "modules_to_save", None)
+        if copies is not None:
+            active = not head.disable_adapters and head.active_adapters
+            head = copies[head.active_adapters[0]] if active else head.original_module
         if isinstance(head, nn.Linear):
             return head
     raise ConfigError(f"{type(model).__name__} has no linear 'score' head; use a decoder model (Llama, Qwen2, ...)")
@@ -302,11 +321,17 @@ def save_model_dir(
 ) -> None:
     """save_pretrained (safetensors) into a temp dir, then through the checkpoint writer.
 
-    `state_dict` replaces the model's own tensors (the gathered weights of a ZeRO-3 model)."""
+    `state_dict` replaces the model's own tensors (the gathered weights of a ZeRO-3 model). A LoRA
+    model writes its adapters and a pointer to its base instead of full weights (engine/lora.py)."""
+    from rlflow.engine.lora import is_lora_model, save_lora_dir
+
     with tempfile.TemporaryDirectory(prefix="rlflow-save-") as tmp:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if is_lora_model(model):
+            save_lora_dir(model, tokenizer, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
         writer.put_dir(tmp, prefix=f"{prefix}/")
 
 

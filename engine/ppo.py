@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from rlflow.engine import dist
+from rlflow.engine.advantages import kl_loss
 from rlflow.engine.algos import (
     loss_sum_and_units,
     make_kl_controller,
@@ -26,6 +27,7 @@ from rlflow.engine.config import PPOConfig
 from rlflow.engine.evaluation import PromptSet, evaluate_policy
 from rlflow.engine.experience import (
     Experience,
+    Objective,
     PPOModels,
     ScoredRollout,
     assemble_experience,
@@ -51,30 +53,39 @@ def actor_forward(model: torch.nn.Module, batch: RolloutBatch, cfg: PPOConfig) -
 
 
 def actor_loss_parts(
-    logprobs: torch.Tensor, entropy: torch.Tensor, exp: Experience, index: torch.Tensor, cfg: PPOConfig
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    exp: Experience,
+    index: torch.Tensor,
+    cfg: PPOConfig,
+    objective: Objective = Objective(),
 ) -> LossParts:
-    """Clipped policy loss of the rows `index` [M] as a share of `cfg.loss_agg` over the mini-batch;
-    logprobs, entropy: [M, R] from actor_forward on those rows."""
+    """Clipped policy loss of the rows `index` [M] (plus kl_loss_coef x the KL to the reference
+    per token when the objective puts the KL in the loss) as a share of `cfg.loss_agg` over the
+    mini-batch; logprobs, entropy: [M, R] from actor_forward on those rows."""
     device = logprobs.device  # experience stays on the CPU; each micro-batch's slice comes over
     mask = exp.batch.response_mask[index].to(device)
-    pg, clipped, approx_kl = ppo_policy_loss(
+    per_token, clipped, approx_kl = ppo_policy_loss(
         logprobs, exp.old_logprobs[index].to(device), exp.advantages[index].to(device), cfg.clip_ratio
     )
-    loss_sum, units = loss_sum_and_units(pg, mask, cfg.loss_agg)
     tokens = float(mask.sum())
-    return LossParts(
-        loss_sum,
-        units,
-        {
-            "actor/pg_clipfrac": (float(masked_sum(clipped, mask)), tokens),
-            "actor/ppo_kl": (float(masked_sum(approx_kl.detach(), mask)), tokens),
-            "actor/entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
-        },
-    )
+    stats = {
+        "actor/pg_clipfrac": (float(masked_sum(clipped, mask)), tokens),
+        "actor/ppo_kl": (float(masked_sum(approx_kl.detach(), mask)), tokens),
+        "actor/entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
+    }
+    if objective.kl_in_loss:
+        kl = kl_loss(logprobs, exp.ref_logprobs[index].to(device), objective.kl_loss_type)
+        per_token = per_token + objective.kl_loss_coef * kl
+        stats["actor/kl_loss"] = (float(masked_sum(kl.detach(), mask)), tokens)
+    loss_sum, units = loss_sum_and_units(per_token, mask, cfg.loss_agg)
+    return LossParts(loss_sum, units, stats)
 
 
-def actor_loss(model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> LossParts:
-    return actor_loss_parts(*actor_forward(model, exp.batch.rows(index), cfg), exp, index, cfg)
+def actor_loss(
+    model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig, objective: Objective = Objective()
+) -> LossParts:
+    return actor_loss_parts(*actor_forward(model, exp.batch.rows(index), cfg), exp, index, cfg, objective)
 
 
 def critic_forward(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
@@ -133,8 +144,10 @@ def ppo_update(
     seed: int,
     timings: dict[str, float],
     step: int = 0,
+    objective: Objective = Objective(),
 ) -> dict[str, float]:
-    """`cfg.epochs` passes of clipped actor and critic updates over shuffled mini-batches.
+    """`cfg.epochs` passes of clipped actor and (if there is one) critic updates over shuffled
+    mini-batches of `cfg.mini_batch` prompts (x rollout.n samples each).
 
     Mini-batches are drawn from the whole batch (the same on every rank); each rank trains on its
     share, cut into micro-batches. During critic warm-up (`update_actor` False) the actor is not
@@ -143,13 +156,18 @@ def ppo_update(
     """
     record = UpdateMetrics(timings)
     generator = torch.Generator().manual_seed(seed)
-    models.actor.train(), models.critic.train()
-    parts = [("actor", models.actor, actor_loss)] if update_actor else []
-    parts.append(("critic", models.critic, critic_loss))
+    models.actor.train()
+    parts = []
+    if update_actor:
+        parts.append(("actor", models.actor, lambda model, e, m, c: actor_loss(model, e, m, c, objective)))
+    if models.critic is not None:
+        models.critic.train()
+        parts.append(("critic", models.critic, critic_loss))
     # Rows keep the batch's padded width in every micro-batch: that is what the budget must count.
     lengths = [exp.batch.input_ids.shape[1]] * exp.batch.input_ids.shape[0]
     for _ in range(cfg.epochs):
-        for index in torch.randperm(exp.batch.input_ids.shape[0], generator=generator).split(cfg.mini_batch):
+        rows = torch.randperm(exp.batch.input_ids.shape[0], generator=generator)
+        for index in rows.split(cfg.mini_batch * objective.group_size):
             mine = index[dist.rank() :: dist.world_size()]
             micro = [mine[g] for g in models.runtime.micro_batches([lengths[i] for i in mine.tolist()])]
             units = [loss_units(exp.batch.response_mask[m], cfg.loss_agg) for m in micro]
@@ -158,14 +176,14 @@ def ppo_update(
     return record.result()
 
 
-def single_pass_possible(models: PPOModels, cfg: PPOConfig, update_actor: bool) -> bool:
+def single_pass_possible(models: PPOModels, cfg: PPOConfig, update_actor: bool, group_size: int = 1) -> bool:
     """Whether the update is one optimizer step per model over the whole batch in one forward:
     one epoch, one mini-batch, one micro-batch (no token budget to cut it), one process, samples
     drawn here. Its forwards then run on exactly the weights that sampled, so they are the
     sampling-time log-probs and values (PPO's ratio is exactly 1 there) and the two scoring
     passes are skipped, not approximated."""
-    rows, runtime = cfg.rollout_batch, models.runtime
-    if not (update_actor and cfg.epochs == 1 and cfg.mini_batch == rows and dist.world_size() == 1):
+    rows, runtime = cfg.rollout_batch * group_size, models.runtime
+    if not (update_actor and cfg.epochs == 1 and cfg.mini_batch == cfg.rollout_batch and dist.world_size() == 1):
         return False
     if models.rollout is not None or runtime.name != "torch" or runtime.cfg.max_tokens_per_microbatch is not None:
         return False
@@ -173,24 +191,35 @@ def single_pass_possible(models: PPOModels, cfg: PPOConfig, update_actor: bool) 
 
 
 def single_pass_update(
-    models: PPOModels, rollout: ScoredRollout, cfg: PPOConfig, kl_coef: float, timings: dict[str, float], step: int
+    models: PPOModels,
+    rollout: ScoredRollout,
+    cfg: PPOConfig,
+    kl_coef: float,
+    timings: dict[str, float],
+    step: int,
+    objective: Objective = Objective(),
 ) -> tuple[Experience, dict[str, float]]:
     """The update of a `single_pass_possible` step: actor and critic forwards with grad, their
     detached outputs taken as sampling-time log-probs and values, the experience assembled from
     them, then each loss backward and one optimizer step. Both graphs are alive at once: the
     price of skipping two passes is actor plus critic activations at the peak."""
     batch, rows = rollout.batch, torch.arange(rollout.batch.input_ids.shape[0])
-    models.actor.train(), models.critic.train()
-    mask = batch.response_mask
+    models.actor.train()
+    mask, critic = batch.response_mask, models.critic
     logprobs, entropy = timed(timings, "timing_s/update_actor", lambda: actor_forward(models.actor.forward, batch, cfg))
-    values = timed(timings, "timing_s/update_critic", lambda: critic_forward(models.critic.forward, batch))
-    exp = assemble_experience(rollout, logprobs.detach().cpu() * mask, values.detach().cpu() * mask, kl_coef, cfg)
+    if critic is not None:
+        critic.train()
+        values = timed(timings, "timing_s/update_critic", lambda: critic_forward(critic.forward, batch))
+        sampled_values = values.detach().cpu() * mask
+    else:
+        sampled_values = rollout.values
+    exp = assemble_experience(rollout, logprobs.detach().cpu() * mask, sampled_values, kl_coef, cfg, objective)
     units = [loss_units(mask, cfg.loss_agg)]
     record = UpdateMetrics(timings)
-    record.run(
-        "actor", models.actor, [rows], units, lambda _, m: actor_loss_parts(logprobs, entropy, exp, m, cfg), step
-    )
-    record.run("critic", models.critic, [rows], units, lambda _, m: critic_loss_parts(values, exp, m, cfg), step)
+    actor_parts = lambda _, m: actor_loss_parts(logprobs, entropy, exp, m, cfg, objective)  # noqa: E731
+    record.run("actor", models.actor, [rows], units, actor_parts, step)
+    if critic is not None:
+        record.run("critic", critic, [rows], units, lambda _, m: critic_loss_parts(values, exp, m, cfg), step)
     return exp, record.result()
 
 
@@ -203,26 +232,33 @@ def ppo_step(
     round_index: int,
     step: int,
     generate_batch: int,
+    objective: Objective = Objective(),
 ) -> dict[str, float]:
-    """One PPO step (1-based `step`): rollout, scoring, updates, KL controller. Returns metrics,
-    with timing_s/{gen,old_logprobs,ref,values,reward,update_actor,update_critic,other,step}."""
+    """One RL step (1-based `step`): rollout of `cfg.rollout_batch` prompts x `objective.group_size`
+    samples each (consecutive rows), scoring, updates, KL controller. Returns metrics, with
+    timing_s/{gen,old_logprobs,ref,values,reward,update_actor,update_critic,other,step}."""
     started = time.monotonic()
     timings: dict[str, float] = {}
     index = batch_indices(len(prompts.token_ids), cfg.rollout_batch, step, seed, round_index, 3)
-    update_actor = step > cfg.critic_warmup_steps
-    single = single_pass_possible(models, cfg, update_actor)
+    index = [i for i in index for _ in range(objective.group_size)]
+    update_actor = step > cfg.critic_warmup_steps or models.critic is None
+    single = single_pass_possible(models, cfg, update_actor, objective.group_size)
     args = (models, cfg, [prompts.token_ids[i] for i in index], step_seed(seed, round_index, step, 4), timings)
     rollout = sample_and_score(*args, generate_batch, step, [prompts.records[i] for i in index], from_update=single)
     if single:
-        exp, update_metrics = single_pass_update(models, rollout, cfg, kl_controller.value, timings, step)
+        exp, update_metrics = single_pass_update(models, rollout, cfg, kl_controller.value, timings, step, objective)
     else:
-        exp = assemble_experience(rollout, rollout.old_logprobs, rollout.values, kl_controller.value, cfg)
+        exp = assemble_experience(rollout, rollout.old_logprobs, rollout.values, kl_controller.value, cfg, objective)
         update_seed = step_seed(seed, round_index, step, 5)
-        update_metrics = ppo_update(models, exp, cfg, update_actor, update_seed, timings, step)
-    metrics = experience_metrics(exp, kl_controller.value) | update_metrics
+        update_metrics = ppo_update(models, exp, cfg, update_actor, update_seed, timings, step, objective)
+    kl_coef = objective.kl_loss_coef if objective.kl_in_loss else kl_controller.value
+    metrics = experience_metrics(exp, kl_coef, models.critic is not None) | update_metrics
+    if models.reward is not None:
+        metrics |= models.reward.metrics
     if models.rollout is not None:  # the worker samples the next step with the updated actor
         timings.update(models.rollout.sync(models.actor))
-    kl_controller.update(metrics["actor/kl"], cfg.rollout_batch)
+    if not objective.kl_in_loss:  # with the KL in the loss its coefficient is fixed
+        kl_controller.update(metrics["actor/kl"], len(index))
     timings["timing_s/step"] = time.monotonic() - started
     timings["timing_s/other"] = timings["timing_s/step"] - sum(v for k, v in timings.items() if k != "timing_s/step")
     metrics.update(timings)

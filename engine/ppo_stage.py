@@ -12,7 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlflow.engine.config import CheckpointConfig, DataConfig, EvalConfig, ModelConfig, PPOConfig, RolloutConfig
+from rlflow.engine.config import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    PPOConfig,
+    RewardConfig,
+    RolloutConfig,
+)
 from rlflow.engine.data import load_prompts
 from rlflow.engine.evaluation import PromptSet, ScoringModels, encode_prompt_set
 from rlflow.engine import dist
@@ -20,8 +28,10 @@ from rlflow.engine.backend import OptimSpec, Runtime
 from rlflow.engine.breaker import Breach, PPOGuards, PPOSafety, paused_outcome
 from rlflow.engine.errors import RewardSourceError
 from rlflow.engine.rollout_service import RolloutService
-from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, model_kwargs
-from rlflow.engine.experience import PPOModels
+from rlflow.engine.models import disable_dropout, load_policy, load_scalar_model, load_tokenizer, model_kwargs
+from rlflow.engine.experience import Objective, PPOModels
+from rlflow.engine.lora import AdaptersOffView
+from rlflow.engine.reward_source import build_reward_source, start_reward_pool
 from rlflow.engine.ppo import make_controller, ppo_step, run_evaluation
 from rlflow.engine.stage_guard import StageGuard
 from rlflow.engine.stage import (
@@ -46,9 +56,9 @@ class PPOInputs:
     policy: str  # the round's starting policy
     reference: str  # KL anchor (the SFT policy or the round's start, per ppo.reference)
     sft: str  # SFT policy, for eval/kl_to_sft
-    reward_model: str
-    score_norm: tuple[float, float]  # the reward model's (mean, std) on its reference set
-    critic: str  # initial critic: the reward model or the policy (per ppo.critic_init)
+    reward_model: str | None  # the round's reward model; None: no reward source is the round's model
+    score_norm: tuple[float, float] | None  # the reward model's (mean, std) on its reference set
+    critic: str | None  # initial critic: the reward model or the policy (ppo.critic_init); None: critic-free
 
 
 @dataclass
@@ -63,19 +73,34 @@ class PPOLoopState:
 def load_ppo_models(
     inputs: PPOInputs, model_cfg: ModelConfig, cfg: PPOConfig, gold: Callable[..., Any], runtime: Runtime
 ) -> PPOModels:
-    """Actor and critic as trainable engines (from the round's inputs; a resume then loads its
-    checkpoint's state into them), reference, SFT policy and reward model frozen."""
-    kw = model_kwargs(model_cfg)
+    """Actor and critic (if any) as trainable engines (from the round's inputs; a resume then loads
+    its checkpoint's state into them), reference, SFT policy and reward model (if any) frozen.
+
+    With model.lora the actor and critic train adapters; a reference that is the actor's starting
+    policy is then the actor with its adapters off (no second copy of the weights)."""
+    kw, lora = model_kwargs(model_cfg), model_cfg.lora_for("ppo")
     tokenizer = load_tokenizer(inputs.policy, model_cfg.trust_remote_code)
-    reference = runtime.frozen(lambda: load_policy(inputs.reference, **kw))
-    sft = reference if inputs.sft == inputs.reference else runtime.frozen(lambda: load_policy(inputs.sft, **kw))
-    reward_model = runtime.frozen(lambda: load_scalar_model(inputs.reward_model, **kw))
-    scoring = ScoringModels(reward_model, inputs.score_norm, reference, sft, gold)
+    view = lora is not None and inputs.reference == inputs.policy
+    reference = None if view else runtime.frozen(lambda: load_policy(inputs.reference, **kw))
+    reward_model = (
+        None if inputs.reward_model is None else runtime.frozen(lambda: load_scalar_model(inputs.reward_model, **kw))
+    )
     # The schedule is constant (no warmup, no decay); total_steps only shapes a cosine that never starts.
     actor_optim = OptimSpec(cfg.actor_lr, 0.0, 0, 0, cfg.max_grad_norm)
     critic_optim = OptimSpec(cfg.critic_lr, 0.0, 0, 0, cfg.max_grad_norm)
-    actor = runtime.trainable("model", lambda: load_policy(inputs.policy, **kw), actor_optim)
-    critic = runtime.trainable("critic", lambda: load_scalar_model(inputs.critic, key="critic", **kw), critic_optim)
+    actor = runtime.trainable("model", lambda: load_policy(inputs.policy, **kw), actor_optim, lora=lora)
+    if lora is not None:  # PPO's first ratio must be 1: model.lora.dropout applies to SFT and DPO only
+        disable_dropout(actor.model)
+    if view:
+        reference = AdaptersOffView(actor.model)
+    sft = reference if inputs.sft == inputs.reference else runtime.frozen(lambda: load_policy(inputs.sft, **kw))
+    scoring = ScoringModels(reward_model, inputs.score_norm, reference, sft, gold)
+    critic = None
+    if inputs.critic is not None:
+        load_critic = lambda: load_scalar_model(inputs.critic, key="critic", **kw)  # noqa: E731
+        critic = runtime.trainable("critic", load_critic, critic_optim, lora=lora)
+        if lora is not None:
+            disable_dropout(critic.model)
     return PPOModels(actor, critic, tokenizer, scoring, runtime)
 
 
@@ -107,8 +132,11 @@ def run_ppo_stage(
     rollout: RolloutConfig = RolloutConfig(),
     rollout_devices: str | None = None,
     guards: PPOGuards = PPOGuards(),
+    objective: Objective = Objective(),
+    reward: RewardConfig = RewardConfig(),
 ) -> StageOutcome:
-    """Run `cfg.steps` PPO steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible.
+    """Run `cfg.steps` RL steps (fewer if rollout KL passes `cfg.stop_kl`), resuming if possible.
+    `objective` picks the estimator (PPO, GRPO, RLOO, REINFORCE++), `reward` the reward sources.
     A KL breach, or a reward failure under reward.on_failure=pause, returns an unfinished outcome
     with `breach` set (a committed checkpoint, no final.json) instead."""
     if (done := completed_outcome(ctx)) is not None:
@@ -117,14 +145,16 @@ def run_ppo_stage(
     guard = StageGuard(ctx, resume)
     models = load_ppo_models(inputs, model_cfg, cfg, gold, ctx.runtime)
     prompts, eval_prompts = load_prompt_sets(models.tokenizer, data, eval_cfg, ctx.sink)
-    run = PPORun(ctx, models, cfg, eval_cfg, checkpoint, eval_prompts, resume, changed)
+    run = PPORun(ctx, models, cfg, eval_cfg, checkpoint, eval_prompts, resume, changed, objective)
     step, saved_guards = 0, None
     if resume is not None:
-        meta = restore_training_state(ctx, resume, {"model": models.actor, "critic": models.critic})
+        meta = restore_training_state(ctx, resume, trained_engines(models))
         run.controller.load_state_dict(meta["kl_controller"])
         step, run.state, saved_guards = resume, PPOLoopState(**meta["ppo_state"]), meta.get("guards")
-    run.safety = PPOSafety(guards, ctx.label, saved_guards, resume, run.controller, models.scoring)
-    models.reward = run.safety.reward
+    pool = start_reward_pool(reward)
+    source = build_reward_source(reward, models.scoring, guards.fallback_rule, pool, ctx.runtime, model_cfg)
+    run.safety = PPOSafety(guards, ctx.label, saved_guards, resume, run.controller, source)
+    models.reward = source
     if rollout.mode == "server":
         log_path = os.path.join(tempfile.gettempdir(), f"rlflow-rollout-{ctx.identity[:12]}-rank{dist.rank()}.log")
         models.rollout = RolloutService.start(
@@ -135,7 +165,8 @@ def run_ppo_stage(
             while step < cfg.steps and not run.state.stopped_by_kl and not guard.stop_requested:
                 step += 1
                 guard.begin(step)
-                models.actor.poison_loss = models.critic.poison_loss = guard.poisoned(step)
+                for engine in trained_engines(models).values():
+                    engine.poison_loss = guard.poisoned(step)
                 last, breach = run.step(step, prompts, rollout.generate_batch, guard)
                 last = last or guard.stop_requested
                 if breach is not None:
@@ -147,6 +178,8 @@ def run_ppo_stage(
     finally:
         if models.rollout is not None:
             models.rollout.close()
+        if pool is not None:
+            pool.close()
     if "eval/gold_score" not in run.metrics:  # resumed exactly at the last step: evaluate its policy
         eval_metrics, samples = run.evaluate()
         run.metrics.update(eval_metrics)
@@ -168,8 +201,10 @@ class PPORun:
         eval_prompts: PromptSet,
         resume: int | None,
         changed: tuple[str, ...],
+        objective: Objective = Objective(),
     ):
         self.ctx, self.models, self.cfg, self.eval_cfg, self.checkpoint = ctx, models, cfg, eval_cfg, checkpoint
+        self.objective = objective
         self.eval_prompts, self.resume, self.changed = eval_prompts, resume, changed
         self.controller = make_controller(cfg)
         self.state = PPOLoopState()
@@ -189,6 +224,7 @@ class PPORun:
         A reward failure is raised before any update, so the step can run again on the fallback."""
         ctx, cfg, state = self.ctx, self.cfg, self.state
         args = (self.models, self.controller, cfg, prompts, ctx.seed, ctx.round_index, step, generate_batch)
+        args += (self.objective,)
         try:
             metrics = ppo_step(*args)
         except RewardSourceError as exc:
@@ -239,10 +275,13 @@ def _commit(
     whole: bool,
 ) -> str:
     """Commit a PPO step: actor and critic, KL controller, loop state and the guards' state."""
+    engines = {"model": (models.actor, models.tokenizer)}
+    if models.critic is not None:
+        engines["critic"] = (models.critic, None)
     return save_checkpoint(
         ctx,
         step,
-        {"model": (models.actor, models.tokenizer), "critic": (models.critic, None)},
+        engines,
         {
             "kl_controller": controller.state_dict(),
             "ppo_state": dataclasses.asdict(state),
@@ -252,6 +291,11 @@ def _commit(
         whole,
         protect={state.best_step} if state.best_step else set(),
     )
+
+
+def trained_engines(models: PPOModels) -> dict[str, Any]:
+    """The engines a checkpoint holds: the actor, and the critic if there is one."""
+    return {"model": models.actor} | ({"critic": models.critic} if models.critic is not None else {})
 
 
 def _summary(metrics: dict[str, float], step: int, state: PPOLoopState) -> dict[str, float]:

@@ -159,7 +159,7 @@ def run_reward_model_stage(
     eval_rows = _pair_rows(tokenizer, eval_pairs, cfg.max_seq_tokens)  # tied pairs carry no label: dropped
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, total_steps, cfg.max_grad_norm)
-    engine = ctx.runtime.trainable("model", load, optim)
+    engine = ctx.runtime.trainable("model", load, optim, lora=model_cfg.lora_for("rm"))
     engine.train()
     step = 0
     if resume is not None:

@@ -1,7 +1,11 @@
-"""Where PPO's scores come from: the reward model, or a rule once the reward source has failed.
+"""Where the RL stage's scores come from: `reward.sources` (learned reward models, rules and
+functions, each weighted), or a rule once a learned reward model has failed.
 
-The reward model's scores are normalised by its (mean, std) on the reward-model stage's fixed
-reference set. Under ``reward.on_failure=fallback_rule`` a failure switches the rest of the stage
+A sample's score is sum_i weight_i x score_i. The round's reward model's scores are normalised
+by its (mean, std) on the reward-model stage's fixed reference set; a reward model given by path
+and the rules and functions give raw scores. Rules and functions run in a pool of worker
+processes (engine/reward_pool.py), submitted per sampled chunk so they overlap the sampling of
+the next one. Under ``reward.on_failure=fallback_rule`` a failure switches the rest of the stage
 to ``reward.fallback_rule.fn`` (score signature of gold.fn: ``(prompt, response, **fields)`` ->
 float or {"score": ...}). The rule's raw scores are standardised with the mean and std of the
 first batch it scores, then frozen (and kept in the checkpoint meta): the same zero-mean,
@@ -15,18 +19,22 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from rlflow.engine import dist
-from rlflow.engine.config import FunctionRef
+from rlflow.engine.config import FunctionRef, RewardConfig
 from rlflow.engine.data import PromptRecord
-from rlflow.engine.errors import RewardSourceError
-from rlflow.engine.evaluation import normalised_scores
+from rlflow.engine.errors import RewardFunctionError, RewardSourceError
+from rlflow.engine.evaluation import ScoringModels, normalised_scores
+from rlflow.engine.models import load_scalar_model, model_kwargs
 from rlflow.engine.faults import armed
 from rlflow.engine.rollout import RolloutBatch
 from rlflow.engine.scoring import load_function, score_answers
+
+if TYPE_CHECKING:
+    from rlflow.engine.reward_pool import RewardFunctionPool
 
 FALLBACK_METRIC = "reward/fallback_active"
 _MIN_STD = 1e-6  # a rule that scored the whole first batch alike: no spread to divide by (std 1)
@@ -41,43 +49,91 @@ class FallbackState:
     std: float | None = None
 
 
+@dataclass(frozen=True)
+class LearnedSource:
+    """A reward model as one weighted source."""
+
+    name: str
+    weight: float
+    model: torch.nn.Module
+    score_norm: tuple[float, float]  # (mean, std) its raw scores are normalised by; (0, 1): raw
+
+
 class RewardSource:
-    """PPO's reward. ``model_scores`` per rollout chunk, ``settle`` once all chunks are scored
-    (every rank agrees whether the source failed), ``final_scores`` on the gathered batch."""
+    """The RL stage's reward. Per sampled chunk: ``model_scores`` (learned sources, now) and
+    ``submit`` (rules and functions, in the pool); once all chunks are sampled: ``collect`` each
+    submission, then ``settle`` (every rank agrees whether a source failed); ``final_scores`` on
+    the gathered [B, S] matrix of per-source scores (learned sources first, in config order)."""
 
     def __init__(
         self,
-        reward_model: torch.nn.Module,
-        score_norm: tuple[float, float],
+        learned: Sequence[LearnedSource],
         rule: FunctionRef | None,
         fallback: FallbackState | None = None,
+        pool: RewardFunctionPool | None = None,
+        pool_weights: dict[str, float] | None = None,
     ):
-        self.reward_model, self.score_norm, self.rule = reward_model, score_norm, rule
-        self.fallback = fallback  # set: the reward model failed earlier in this stage (or before a resume)
+        self.learned, self.rule, self.pool = tuple(learned), rule, pool
+        self.pool_weights = dict(pool_weights or {})
+        self.names = [s.name for s in self.learned] + list(self.pool_weights)
+        self.weights = torch.tensor([s.weight for s in self.learned] + list(self.pool_weights.values()))
+        self.fallback = fallback  # set: a reward model failed earlier in this stage (or before a resume)
+        self.metrics: dict[str, float] = {}  # per-source means of the last final_scores
         self._failure: str | None = None
+        self._function_failure: str | None = None
+        self._skipped: dict[str, int] = {}
         fn = None if rule is None else load_function(rule.fn, "reward.fallback_rule.fn")  # fails before training
         self._rule_fn: Callable[..., Any] | None = None if fn is None else functools.partial(fn, **rule.kwargs)
 
     def model_scores(self, batch: RolloutBatch, rows: int, step: int) -> torch.Tensor:
-        """Normalised reward-model scores of one chunk; placeholders once the fallback is active
-        (the failed source is not asked again: the rule scores the gathered batch instead)."""
+        """[b, S_learned] scores of one chunk by the learned sources; placeholders once the fallback
+        is active (the failed source is not asked again: the rule scores the gathered batch)."""
         if self.fallback is not None:
-            return torch.zeros(rows)
-        scores = normalised_scores(self.reward_model, batch, self.score_norm, rows)
+            return torch.zeros(rows, len(self.learned))
+        columns = [normalised_scores(s.model, batch, s.score_norm, rows) for s in self.learned]
+        scores = torch.stack(columns, dim=1) if columns else torch.zeros(rows, 0)
         # Decided after the forward pass: every rank runs the same collectives (ZeRO-3) either way.
         if not bool(torch.isfinite(scores).all()):  # e.g. an overflow in a low-precision reward model
-            bad = int((~torch.isfinite(scores)).sum())
+            bad = int((~torch.isfinite(scores)).any(dim=1).sum())
             self._failure = f"the reward model returned {bad} non-finite score(s) of {rows} at step {step}"
         if armed("ppo", "reward_error", step):
             self._failure = f"reward source error injected at step {step} (RLFLOW_FAULT)"
         return scores
 
+    def submit(self, batch: RolloutBatch, records: Sequence[PromptRecord]) -> Any:
+        """Hand one chunk to the rule and function sources (returns at once); None without any."""
+        if self.pool is None or self.fallback is not None:
+            return None
+        return self.pool.submit([r.prompt for r in records], list(batch.response_texts), [r.fields for r in records])
+
+    def collect(self, handle: Any, rows: int) -> torch.Tensor:
+        """[b, S_functions] scores of a submitted chunk (zeros after a failure, which settle raises)."""
+        if handle is None:
+            return torch.zeros(rows, len(self.pool_weights))
+        try:
+            result = handle.result()
+        except RewardSourceError as exc:  # reward.on_error=fail: the pool named the source and sample
+            self._function_failure = self._function_failure or str(exc)
+            return torch.zeros(rows, len(self.pool_weights))
+        for name, count in result.skipped.items():
+            self._skipped[name] = self._skipped.get(name, 0) + count
+        return torch.tensor([result.scores[name] for name in self.pool_weights], dtype=torch.float32).T.reshape(
+            rows, len(self.pool_weights)
+        )
+
     def settle(self) -> None:
-        """Raise RewardSourceError on every rank if the source failed on any rank this step."""
+        """Raise on every rank if a source failed on any rank this step: RewardFunctionError for a
+        rule or function (reward.on_error=fail), RewardSourceError for a reward model."""
         failure, self._failure = self._failure, None
-        failed = int(failure is not None)
+        function_failure, self._function_failure = self._function_failure, None
+        failed = 2 if function_failure is not None else int(failure is not None)
         if dist.world_size() > 1:
             failed = dist.all_reduce_max(failed)
+        if failed == 2:
+            raise RewardFunctionError(
+                f"{function_failure or 'a reward function failed on another rank'}; fix the function, or set"
+                " reward.on_error=skip to score such samples 0 and count them"
+            )
         if failed:
             raise RewardSourceError(failure or "the reward source failed on another rank")
 
@@ -91,9 +147,16 @@ class RewardSource:
     def final_scores(
         self, scores: torch.Tensor, records: Sequence[PromptRecord] | None, texts: Sequence[str]
     ) -> torch.Tensor:
-        """The batch's scores [B]: the reward model's as given, or the rule's, normalised."""
+        """The batch's scores [B] from the per-source matrix `scores` [B, S]: their weighted sum, or
+        the fallback rule's scores, normalised. Sets ``metrics`` (reward/<name>/mean, /skipped)."""
         if self.fallback is None:
-            return scores
+            self.metrics = {f"reward/{n}/mean": float(scores[:, i].mean()) for i, n in enumerate(self.names)}
+            if self.pool_weights:
+                counts = [float(self._skipped.get(n, 0)) for n in self.pool_weights]
+                skipped = dist.all_reduce_sum(torch.tensor(counts))
+                self.metrics |= {f"reward/{n}/skipped": float(skipped[i]) for i, n in enumerate(self.pool_weights)}
+            self._skipped = {}
+            return (scores * self.weights.to(scores.dtype)).sum(dim=1)
         if records is None or self._rule_fn is None:
             raise RewardSourceError("the fallback rule needs the batch's prompt records")
         raw = None
@@ -105,4 +168,43 @@ class RewardSource:
             mean = sum(raw) / len(raw)
             std = math.sqrt(sum((s - mean) ** 2 for s in raw) / max(1, len(raw) - 1))
             self.fallback = FallbackState(self.fallback.fn, mean, std if std > _MIN_STD else 1.0)
+        self.metrics = {}
         return (torch.tensor(raw, dtype=scores.dtype) - self.fallback.mean) / self.fallback.std
+
+
+def start_reward_pool(reward: RewardConfig) -> RewardFunctionPool | None:
+    """The worker pool of the rule and function sources (None without any): each is checked
+    (imports, arguments) before any step runs."""
+    sources = [s for s in reward.sources if s.type != "model"]
+    if not sources:
+        return None
+    from rlflow.engine.reward_pool import RewardFunctionPool
+
+    return RewardFunctionPool(sources, workers=reward.workers, timeout_s=reward.timeout_s, on_error=reward.on_error)
+
+
+def build_reward_source(
+    reward: RewardConfig,
+    scoring: ScoringModels,
+    fallback_rule: FunctionRef | None,
+    pool: RewardFunctionPool | None,
+    runtime: Any,
+    model_cfg: Any,
+) -> RewardSource:
+    """The RL stage's RewardSource: `scoring.reward_model` (the round's, normalised by its
+    score_norm) for a model source without a path, a frozen reward model loaded from `path` (raw
+    scores) for one with a path, and the pool's rules and functions."""
+    learned = []
+    for s in reward.sources:
+        if s.type != "model":
+            continue
+        if s.path is None:
+            if scoring.reward_model is None:
+                raise RewardSourceError(f"reward source {s.name!r} is the round's reward model, but none was trained")
+            learned.append(LearnedSource(s.name, s.weight, scoring.reward_model, scoring.score_norm))
+        else:
+            kw = model_kwargs(model_cfg)
+            model = runtime.frozen(lambda p=s.path: load_scalar_model(p, key=f"reward.sources[{s.name}].path", **kw))
+            learned.append(LearnedSource(s.name, s.weight, model, (0.0, 1.0)))
+    weights = {s.name: s.weight for s in reward.sources if s.type != "model"}
+    return RewardSource(learned, fallback_rule, pool=pool, pool_weights=weights)

@@ -99,8 +99,8 @@ class EvalInputs:
     final_policy: str  # the round's PPO policy (its "after")
     reference: str
     sft: str
-    reward_model: str
-    score_norm: tuple[float, float]
+    reward_model: str | None  # None: the round trained no reward model
+    score_norm: tuple[float, float] | None
 
 
 def run_eval_stage(
@@ -120,7 +120,7 @@ def run_eval_stage(
     tokenizer = load_tokenizer(inputs.final_policy, model_cfg.trust_remote_code)
     reference = load_policy(inputs.reference, **kw).eval()
     scoring = ScoringModels(
-        reward_model=load_scalar_model(inputs.reward_model, **kw).eval(),
+        reward_model=None if inputs.reward_model is None else load_scalar_model(inputs.reward_model, **kw).eval(),
         score_norm=inputs.score_norm,
         reference=reference,
         sft=reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval(),

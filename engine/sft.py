@@ -91,7 +91,8 @@ def run_sft_stage(
     guard = StageGuard(ctx, resume)
     tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.max_steps, cfg.max_grad_norm)
-    engine = ctx.runtime.trainable("model", lambda: load_policy(init_path, **model_kwargs(model_cfg)), optim)
+    load = lambda: load_policy(init_path, **model_kwargs(model_cfg))  # noqa: E731
+    engine = ctx.runtime.trainable("model", load, optim, lora=model_cfg.lora_for("sft"))
     engine.train()
     encode = lambda ex: encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
     train_rows = [encode(ex) for ex in load_sft_examples(data.sft, data.storage_options)]

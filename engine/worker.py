@@ -23,9 +23,11 @@ from rlflow.engine.backend import Runtime, make_runtime
 from rlflow.engine.breaker import PPOGuards, StageOverrides
 from rlflow.engine.checkpoint import CheckpointStore, model_location
 from rlflow.engine.config import Config, build_config
+from rlflow.engine.dpo import run_dpo_stage
 from rlflow.engine.secrets import merge_trees
 from rlflow.engine.metrics import EventSink, NullSink
 from rlflow.engine.mirror import make_mirror
+from rlflow.engine.experience import Objective
 from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
 from rlflow.engine.reward_model import run_reward_model_stage
 from rlflow.engine.scoring import load_function
@@ -37,7 +39,7 @@ from rlflow.engine.stage_guard import GuardLimits
 # Errors a rerun would meet again (bad input, deterministic divergence): never retried.
 NOT_RETRIED = (RlflowError, NonFiniteUpdates, RewardSourceError)
 SECRETS_ENV = "RLFLOW_SECRETS"  # JSON tree of the config's secret values; never written to a file
-TRAINING_STAGES = ("sft", "rm", "ppo")
+TRAINING_STAGES = ("sft", "rm", "ppo", "dpo")
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,9 @@ class StageCall:
     round_index: int
     identity: str
     identity_tree: dict[str, Any]
-    init_path: str = ""  # sft, rm: the model to start from (a directory or a committed step URI)
-    extra_preferences: tuple[str, ...] = ()  # rm: online-labelled pairs
+    init_path: str = ""  # sft, rm, dpo: the model to start from (a directory or a committed step URI)
+    extra_preferences: tuple[str, ...] = ()  # rm, dpo: online-labelled pairs
+    reference_path: str = ""  # dpo: the frozen reference policy (a directory or a committed step URI)
     ppo_inputs: dict[str, Any] = field(default_factory=dict)  # ppo: PPOInputs fields (step URIs allowed)
     rollout_devices: str | None = None  # ppo: CUDA_VISIBLE_DEVICES of the rollout worker (placement.rollout)
     overrides: StageOverrides = field(default_factory=StageOverrides)  # ppo: an operator's, after a breach
@@ -105,9 +108,17 @@ def _run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> Stage
     if call.stage == "rm":
         init = model_location(call.init_path, so)
         return run_reward_model_stage(ctx, init, config.model, config.rm, config.data, call.extra_preferences)
+    if call.stage == "dpo":
+        init, reference = model_location(call.init_path, so), model_location(call.reference_path, so)
+        dpo = config.dpo
+        return run_dpo_stage(
+            ctx, init, reference, config.model, dpo, config.data, call.extra_preferences, dpo.include_offline
+        )
     if call.stage == "ppo":
-        fields = {k: (v if k == "score_norm" else model_location(v, so)) for k, v in call.ppo_inputs.items()}
-        inputs = PPOInputs(**{**fields, "score_norm": tuple(call.ppo_inputs["score_norm"])})
+        located = lambda k, v: v if k == "score_norm" or v is None else model_location(v, so)  # noqa: E731
+        fields = {k: located(k, v) for k, v in call.ppo_inputs.items()}
+        norm = call.ppo_inputs["score_norm"]
+        inputs = PPOInputs(**{**fields, "score_norm": None if norm is None else tuple(norm)})
         gold = load_function(config.gold.fn, "gold.fn")
         return run_ppo_stage(
             ctx,
@@ -121,6 +132,8 @@ def _run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> Stage
             config.rollout,
             call.rollout_devices,
             PPOGuards.of(config.safety, config.reward, call.overrides),
+            Objective.of(config.algorithm, config.rollout.n),
+            config.reward,
         )
     raise ValueError(f"unknown training stage {call.stage!r}; valid: {', '.join(TRAINING_STAGES)}")
 

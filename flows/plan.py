@@ -20,7 +20,7 @@ from rlflow.engine.secrets import REDACTED
 @dataclass(frozen=True)
 class PlannedStage:
     round_index: int
-    stage: str  # "sft" | "label" | "rm" | "ppo" | "eval"
+    stage: str  # "sft" | "label" | "rm" | "ppo" | "dpo" | "eval"
     steps: str  # what bounds the stage: "600 steps (max)", "2 epochs", "512 prompts"
     prefix: str  # where its checkpoints go
     state: str = ""  # "done at step 30", "at step 20", "not started" (filled by `with_progress`)
@@ -35,11 +35,18 @@ def plan_stages(config: Config) -> list[PlannedStage]:
         stages = []
         if r in c.sft.rounds:
             stages.append(("sft", f"{c.sft.max_steps} steps (max; early stop after {c.sft.patience} flat evals)"))
-        if online is not None and r >= online:
+        dpo = c.algorithm.name == "dpo"
+        if online is not None and r >= online and (dpo or c.reward.learned):
             stages.append(("label", f"{c.label.prompts_per_round} prompts, 2 answers each"))
-        stages.append(("rm", f"{c.rm.epochs} epochs"))
-        stop = f"; stops at KL {c.ppo.stop_kl}" if c.ppo.stop_kl else ""
-        stages.append(("ppo", f"{c.ppo.steps} steps x {c.ppo.rollout_batch} prompts{stop}"))
+        if dpo:
+            stages.append(("dpo", f"{c.dpo.epochs} epochs, beta {c.dpo.beta}"))
+        else:
+            if c.reward.learned:
+                stages.append(("rm", f"{c.rm.epochs} epochs"))
+            stop = f"; stops at KL {c.ppo.stop_kl}" if c.ppo.stop_kl else ""
+            n = f" x {c.rollout.n} samples" if c.rollout.n > 1 else ""
+            what = f"{c.ppo.steps} steps x {c.ppo.rollout_batch} prompts{n} ({c.algorithm.name}){stop}"
+            stages.append(("ppo", what))
         stages.append(("eval", f"{c.eval.num_prompts} prompts"))
         for stage, steps in stages:
             prefix = stage_prefix(c.run.root, c.run.name or "<new name>", r, stage)

@@ -48,6 +48,7 @@ PROGRESS_KEYS = {
         "eval/gold_score",
         "timing_s/step",
     ),
+    "dpo": ("dpo/loss", "dpo/rewards/accuracy", "dpo/rewards/margin", "dpo/eval_accuracy"),
     "eval": ("eval/gold_score", "eval/rm_score", "eval/kl", "eval/distinct_2", "eval/valid_fraction"),
     "label": ("label/pairs", "label/ties_dropped"),
 }
@@ -242,6 +243,22 @@ def rm_task(config: Config, spec: StageSpec, init_uri: str, preference_files: li
     return _run_tracked(config, spec, None, init_path=init_uri, extra_preferences=tuple(preference_files))
 
 
+@task(name="dpo", **STAGE_TASK)
+def dpo_task(
+    config: Config, spec: StageSpec, init_uri: str, reference_uri: str, preference_files: list[str]
+) -> StageResult:
+    """DPO from `init_uri` against the frozen `reference_uri`; `preference_files`: the round's
+    online-labelled pairs (JSONL), besides data.preferences when dpo.include_offline."""
+    return _run_tracked(
+        config,
+        spec,
+        None,
+        init_path=init_uri,
+        reference_path=reference_uri,
+        extra_preferences=tuple(preference_files),
+    )
+
+
 def score_norm_of(rm: StageResult) -> tuple[float, float]:
     """The reward model's (mean, std) on its fixed reference set, recorded by its stage."""
     return rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]
@@ -249,16 +266,25 @@ def score_norm_of(rm: StageResult) -> tuple[float, float]:
 
 @task(name="ppo", **STAGE_TASK)
 def ppo_task(
-    config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult, overrides: StageOverrides | None = None
+    config: Config,
+    spec: StageSpec,
+    inputs: dict[str, str],
+    rm: StageResult | None,
+    overrides: StageOverrides | None = None,
 ) -> StageResult:
-    """`overrides`: an operator's, continuing after a breach (not in the cache key: the same stage)."""
+    """The RL stage (PPO, GRPO, RLOO, REINFORCE++: algorithm.name). `rm`: the round's reward model,
+    None when no reward source is the round's model. `overrides`: an operator's, continuing after a
+    breach (not in the cache key: the same stage)."""
+    critic = None  # critic-free estimators (the config ensures critic_init=rm comes with a reward model)
+    if not config.algorithm.critic_free:
+        critic = rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"]
     ppo_inputs = PPOInputs(  # checkpoint URIs: each process resolves them to local directories
         policy=inputs["policy"],
         reference=inputs["reference"],
         sft=inputs["sft"],
-        reward_model=rm.checkpoint_uri,
-        score_norm=score_norm_of(rm),
-        critic=rm.checkpoint_uri if config.ppo.critic_init == "rm" else inputs["policy"],
+        reward_model=None if rm is None else rm.checkpoint_uri,
+        score_norm=None if rm is None else score_norm_of(rm),
+        critic=critic,
     )
     load_function(config.gold.fn, "gold.fn")  # fail here, before any process starts, if it is missing
     if config.reward.fallback_rule is not None:
@@ -275,15 +301,16 @@ def ppo_task(
 
 
 @task(name="eval", **STAGE_TASK)
-def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult) -> StageResult:
+def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: StageResult | None) -> StageResult:
+    """`rm`: the round's reward model (eval/rm_score); None in a round without one."""
     so = config.run.storage_options
     eval_inputs = EvalInputs(
         start_policy=model_location(inputs["policy"], so),
         final_policy=model_location(inputs["final"], so),
         reference=model_location(inputs["reference"], so),
         sft=model_location(inputs["sft"], so),
-        reward_model=model_location(rm.checkpoint_uri, so),
-        score_norm=score_norm_of(rm),
+        reward_model=None if rm is None else model_location(rm.checkpoint_uri, so),
+        score_norm=None if rm is None else score_norm_of(rm),
     )
     gold = load_function(config.gold.fn, "gold.fn")
     return _run_tracked(

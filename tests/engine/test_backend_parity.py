@@ -1,5 +1,5 @@
 """The deepspeed backend (ZeRO-2 and ZeRO-3, 2 processes, token-budget micro-batches) trains SFT,
-reward-model and PPO steps to the same losses and weights as one torch process (within 1e-5)."""
+reward-model, PPO and GRPO steps to the same losses and weights as one torch process (within 1e-5)."""
 
 import json
 import os
@@ -60,11 +60,16 @@ def test_zero_matches_torch_within_1e5(parity_runs, trained, stage):
                     assert step[key] == pytest.approx(ref_step[key], abs=TOLERANCE, rel=TOLERANCE), (name, key)
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/kl", "critic/score/mean", "response_length/mean"):
         assert result["ppo"][key] == pytest.approx(ref_result["ppo"][key], abs=TOLERANCE, rel=TOLERANCE), key
+    # GRPO with the KL in the loss and seq-mean-token-mean: globally normalised, so 2 ranks with
+    # token-budget micro-batches take the step of one process with one micro-batch per mini-batch.
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/advantages/mean"):
+        assert result["grpo"][key] == pytest.approx(ref_result["grpo"][key], abs=TOLERANCE, rel=TOLERANCE), key
+    assert "critic/vf_loss" not in result["grpo"]
     assert_weights_agree(ref_weights, weights, TOLERANCE)
 
     # The comparison means something only if every stage really moved its weights.
     start = load_policy(trained[0]).state_dict()
-    for prefix in ("sft.", "actor."):
+    for prefix in ("sft.", "actor.", "grpo."):
         moved = max((weights[prefix + k] - v).abs().max().item() for k, v in start.items())
         assert moved > 100 * TOLERANCE, prefix
 

@@ -10,7 +10,7 @@ from rlflow.engine.breaker import BREACH_KL, BREACH_REWARD, PPOGuards, PPOSafety
 from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import FunctionRef, build_config
 from rlflow.engine.errors import CheckpointError, RewardSourceError
-from rlflow.engine.evaluation import ScoringModels
+from rlflow.engine.reward_source import RewardSource
 from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
 from rlflow.engine.reward_source import FALLBACK_METRIC
 from test_sft_rm import make_ctx
@@ -28,9 +28,7 @@ def run_ppo(trained, small_assets, tmp_path, guards, sink=None, every=10, steps=
     cfg = build_config(small_config_tree(small_assets, tmp_path, ppo=ppo), "t")
     ctx = make_ctx(tmp_path, "ppo", sink=sink or RecordingSink(), every=every)
     inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
-    outcome = run_ppo_stage(
-        ctx, inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, no_gold, guards=guards
-    )
+    outcome = run_ppo_stage(ctx, inputs, cfg.model, cfg.ppo, cfg.eval, cfg.data, cfg.checkpoint, no_gold, guards=guards)
     return outcome, ctx.store
 
 
@@ -68,8 +66,8 @@ def _safety(guards, saved=None, resume=None):
             self.value = state["value"]
 
     controller = Controller()
-    scoring = ScoringModels(None, (0.0, 1.0), None, None, None)  # no reward model is called here
-    return PPOSafety(guards, "t", saved, resume, controller, scoring), controller
+    reward = RewardSource([], guards.fallback_rule)  # no reward model is called here
+    return PPOSafety(guards, "t", saved, resume, controller, reward), controller
 
 
 def test_overrides_outlive_their_flow_run_but_not_a_changed_config():
@@ -106,9 +104,7 @@ def test_reward_failure_pause_commits_the_last_completed_step(trained, small_ass
     assert done.breach is None and done.resumed_from == 1 and store.final()["step"] == 3
 
 
-def test_fallback_rule_scores_the_rest_of_the_stage_and_survives_a_resume(
-    trained, small_assets, tmp_path, monkeypatch
-):
+def test_fallback_rule_scores_the_rest_of_the_stage_and_survives_a_resume(trained, small_assets, tmp_path, monkeypatch):
     from rlflow.tasks.stages import StageResult, guard_tags
 
     # The KL breaker trips at step 2, after the switch to the rule: a resume follows.
@@ -158,9 +154,9 @@ def test_a_rule_that_scores_everything_alike_keeps_a_unit_scale():
     from rlflow.engine.data import PromptRecord
     from rlflow.engine.reward_source import RewardSource
 
-    source = RewardSource(None, (0.0, 1.0), FunctionRef(fn="test_guards:constant_rule"))
+    source = RewardSource([], FunctionRef(fn="test_guards:constant_rule"))
     assert source.activate_fallback() == "test_guards:constant_rule"
-    scores = source.final_scores(torch.zeros(4), [PromptRecord("p", {})] * 4, ["a", "b", "c", "d"])
+    scores = source.final_scores(torch.zeros(4, 0), [PromptRecord("p", {})] * 4, ["a", "b", "c", "d"])
     assert torch.equal(scores, torch.zeros(4)) and source.fallback.std == 1.0
 
 
@@ -168,7 +164,7 @@ def test_non_finite_reward_model_scores_are_a_reward_source_failure(trained):
     import torch
 
     from rlflow.engine.models import load_scalar_model, scalar_head
-    from rlflow.engine.reward_source import RewardSource
+    from rlflow.engine.reward_source import LearnedSource, RewardSource
     from rlflow.engine.rollout import RolloutBatch
 
     _, rm_dir, score_norm = trained
@@ -180,7 +176,7 @@ def test_non_finite_reward_model_scores_are_a_reward_source_failure(trained):
         prompt_width=2,
         response_texts=("a", "b"),
     )
-    source = RewardSource(model, score_norm, None)
+    source = RewardSource([LearnedSource("rm", 1.0, model, score_norm)], None)
     source.model_scores(batch, 2, step=3)
     source.settle()  # finite scores: no failure
     with torch.no_grad():

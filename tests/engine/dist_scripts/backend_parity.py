@@ -19,7 +19,7 @@ from rlflow.engine.config import EngineConfig, build_config
 from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
 from rlflow.engine.evaluation import encode_prompt_set
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer
-from rlflow.engine.experience import make_experience
+from rlflow.engine.experience import Objective, make_experience
 from rlflow.engine.ppo import make_controller, ppo_step
 from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
 from rlflow.engine.reward_model import _pair_rows, rm_train_step
@@ -72,6 +72,28 @@ def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: En
     result["ppo"] = {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
     weights.update({f"actor.{k}": v for k, v in (models.actor.gathered_state_dict() or {}).items()})
     weights.update({f"critic.{k}": v for k, v in (models.critic.gathered_state_dict() or {}).items()})
+    # GRPO: critic-free, 2 samples per prompt, the KL as a loss term, per-sequence loss averaging;
+    # mini-batches of 4 prompts x 2 samples, split over the ranks and cut by the token budget.
+    tree = {
+        "ppo": {
+            "rollout_batch": 8,
+            "mini_batch": 4,
+            "epochs": 1,
+            "max_new_tokens": 16,
+            "loss_agg": "seq-mean-token-mean",
+        },
+        "algorithm": {"name": "grpo", "kl_loss_coef": 0.1},
+        "rollout": {"n": 2, "generate_batch": 8},
+        "reward": {"sources": [{"name": "rm", "type": "model"}]},
+    }
+    grpo_cfg = build_config(tree, "parity-grpo")
+    models = load_ppo_models(
+        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None), grpo_cfg.model, grpo_cfg.ppo, zero_gold, runtime
+    )
+    objective = Objective.of(grpo_cfg.algorithm, grpo_cfg.rollout.n)
+    metrics = ppo_step(models, make_controller(grpo_cfg.ppo), grpo_cfg.ppo, prompts, 0, 0, 1, 8, objective)
+    result["grpo"] = {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+    weights.update({f"grpo.{k}": v for k, v in (models.actor.gathered_state_dict() or {}).items()})
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps(result))
