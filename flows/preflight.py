@@ -122,6 +122,22 @@ def check_mirror(config: Any) -> None:
         raise ConfigError(f"checkpoint.mirror {config.checkpoint.mirror!r} cannot be written: {reason}") from None
 
 
+def check_reward_sources(config: Any) -> None:
+    """Every rule's arguments and every function's import, before SFT spends its minutes; a
+    reward model given by path must exist."""
+    from rlflow.engine.models import resolve_model_path
+    from rlflow.engine.reward_rules import make_rule
+    from rlflow.engine.scoring import load_function
+
+    for source in config.reward.sources:
+        if source.type == "function":
+            load_function(source.fn, f"reward.sources[{source.name}].fn")
+        elif source.type == "model" and source.path is not None:
+            resolve_model_path(source.path, f"reward.sources[{source.name}].path")
+        elif source.type != "model":
+            make_rule(source.type, source.kwargs, source.name)
+
+
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs every stage needs: devices, model paths, data files (parsed in full),
     and where checkpoints go."""
@@ -143,5 +159,6 @@ def check_inputs(config: Any) -> None:
     load_function(config.label.labeller.fn, "label.labeller.fn")
     for ref in config.callbacks:
         load_function(ref, "callbacks")
+    check_reward_sources(config)
     check_run_root(config)
     check_mirror(config)

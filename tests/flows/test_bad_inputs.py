@@ -107,6 +107,8 @@ def _long_prompts(c: Case) -> tuple[list[str], str]:
     )
 
 
+RM_SOURCE = {"name": "rm", "type": "model"}
+
 # name -> (Case -> (argv after "rlflow run", the message after "rlflow: error: "))
 CASES: dict[str, Callable[[Case], tuple[list[str], str]]] = {
     # ---- config
@@ -127,6 +129,25 @@ CASES: dict[str, Callable[[Case], tuple[list[str], str]]] = {
     ),
     "config: mini-batch larger than the rollout batch": lambda c: _with(
         c.overridden("ppo.mini_batch=32"), MINI_BATCH.format(32, 16, 32)
+    ),
+    "config: unknown algorithm": lambda c: _with(
+        c.overridden("algorithm.name=ppo2"),
+        "invalid value for 'algorithm.name': 'ppo2' (unknown algorithm.name 'ppo2'; valid: ppo, grpo, rloo,"
+        " reinforce_pp, dpo)",
+    ),
+    "config: GRPO with one sample per prompt": lambda c: _with(
+        c.overridden("algorithm.name=grpo"),
+        "algorithm.name=grpo compares the samples of one prompt with each other: it needs rollout.n >= 2 samples"
+        " per prompt (got 1); e.g. rollout.n=4",
+    ),
+    "reward: a rule's misspelt argument": lambda c: (
+        [c.config(reward={"sources": [RM_SOURCE, {"name": "kw", "type": "keyword", "kwargs": {"keywordz": ["a"]}}]})],
+        "reward source 'kw' (type keyword): unknown kwarg 'keywordz'; valid: keywords, mode, ignore_case",
+    ),
+    "reward: a function that cannot be imported": lambda c: (
+        [c.config(reward={"sources": [RM_SOURCE, {"name": "f", "type": "function", "fn": "no_such_module:score"}]})],
+        "reward.sources[f].fn: cannot import module 'no_such_module' (No module named 'no_such_module'); is it"
+        " installed or on PYTHONPATH?",
     ),
     "config: a credential of the wrong type is not echoed": lambda c: _with(
         c.overridden(f"data.storage_options={SECRET}"),
