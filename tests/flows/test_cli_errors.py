@@ -73,7 +73,7 @@ CASES = {
     ),
     "a rank without rows": (
         lambda t, w: (w(engine={"backend": "deepspeed"}, resources={"nproc_per_node": 2}),),
-        r"ppo.rollout_batch / rollout.generate_batch chunks = 1 is less than the 2 ranks .*make it at least 2",
+        r"ppo.rollout_batch x rollout.n / rollout.generate_batch chunks = 1 is less than the 2 ranks .*make it at least 2",
     ),
     "vllm without its environment": (
         lambda t, w: (w(rollout={"mode": "server", "server_backend": "vllm", "vllm_python": str(t / "none")}),),
