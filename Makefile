@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow clean up down status bench
+.PHONY: install demo demo-arith test test-slow clean up down status bench
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/rlflow demo-assets demo_assets
 	$(VENV)/bin/rlflow run configs/demo.yaml $(ARGS)
+
+# The verifiable-reward demo (rlflow.engine.arith_task): SFT on a noisy annotator, then RL on exact match.
+demo-arith: install
+	$(VENV)/bin/rlflow demo-assets --task arith demo_assets/arith
+	$(VENV)/bin/rlflow run configs/demo_arith.yaml $(ARGS)
 
 test: install
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
@@ -47,7 +52,8 @@ status:
 clean:
 	rm -rf runs .rlflow demo_assets
 
-# rlflow PPO vs TRL 1.12 PPO on this machine (bench/ppo_vs_trl.py; ~4 min on 2 idle cores). TRL is only a
+# rlflow PPO and GRPO vs TRL 1.12's on this machine (bench/ppo_vs_trl.py; PPO ~4 min on 2 idle cores, GRPO
+# about 3 more; ARGS="--algos ppo" or "--algos grpo" runs one). TRL is only a
 # yardstick, never a dependency: it goes into .bench/trl once (its other requirements are already in
 # $(VENV)) and reaches the TRL worker alone, through PYTHONPATH.
 TRL_STAMP := .bench/trl/.installed-1.12.0

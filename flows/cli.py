@@ -129,9 +129,14 @@ def hide_tracebacks_of_user_errors() -> None:
 
 
 def command_demo_assets(args: argparse.Namespace) -> int:
+    if args.task == "arith":  # configs/demo_arith.yaml's verifiable-reward task
+        from rlflow.engine.arith_task import DEFAULT_DIR, make_arith_assets
+
+        print(make_arith_assets(args.dir or DEFAULT_DIR, seed=args.seed))
+        return 0
     from rlflow.engine.demo_task import make_demo_assets
 
-    print(make_demo_assets(args.dir, seed=args.seed))
+    print(make_demo_assets(args.dir or "demo_assets", seed=args.seed))
     return 0
 
 
@@ -155,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (compare, deploy, labels, export, doctor, estimate, probe):
         module.add_parser(sub)
     assets = sub.add_parser("demo-assets", help="write the demo data, tokenizer and tiny model")
-    assets.add_argument("dir", nargs="?", default="demo_assets")
+    assets.add_argument("dir", nargs="?", help="default: demo_assets (task demo), demo_assets/arith (task arith)")
+    assets.add_argument("--task", choices=("demo", "arith"), default="demo", help="which demo task (default: demo)")
     assets.add_argument("--seed", type=int, default=1234)
     assets.set_defaults(handler=command_demo_assets)
     return parser
