@@ -122,3 +122,15 @@ def test_tokenizer_round_trips_numbers_digit_by_digit(assets):
         prompt = "what is 23 + 48 ?"
         assert tok.decode(tok(prompt, add_special_tokens=False)["input_ids"]) == prompt
         assert tok.unk_token_id not in tok(prompt + " 71", add_special_tokens=False)["input_ids"]
+
+
+def test_demo_assets_command_builds_the_arith_task(tmp_path, capsys):
+    from rlflow.flows.cli import build_parser, main
+
+    assert main(["demo-assets", "--task", "arith", str(tmp_path / "arith"), "--seed", "3"]) == 0
+    out = tmp_path / "arith"
+    assert capsys.readouterr().out.strip() == str(out)
+    assert all((out / "data" / f"{name}.jsonl").is_file() for name in FILES)
+    assert (out / "tiny-model" / "tokenizer.json").is_file() and (out / "ASSETS_OK").is_file()
+    plain = build_parser().parse_args(["demo-assets"])  # the main demo's command is unchanged
+    assert (plain.task, plain.dir) == ("demo", None)
