@@ -51,6 +51,7 @@ class DPOConfig(Section):
 
     beta: float = Field(0.1, gt=0)
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO: assumed label-flip rate
+    rpo_alpha: float = Field(0.0, ge=0)  # weight of the chosen answers' per-token NLL (RPO); 0: plain DPO
     reference: Literal["sft", "round_start"] = "round_start"
     include_offline: bool = True  # online rounds: data.preferences besides the round's fresh pairs
     epochs: int = Field(1, ge=1)

@@ -28,7 +28,7 @@ from rlflow.engine.batching import PromptResponseIds, batch_indices, pack_rows, 
 from rlflow.engine.config import DataConfig, EngineConfig, ModelConfig
 from rlflow.engine.config_methods import DPOConfig
 from rlflow.engine.data import PreferencePair, load_preference_pairs
-from rlflow.engine.dpo_loss import dpo_loss
+from rlflow.engine.dpo_loss import chosen_nll, dpo_loss
 from rlflow.engine.errors import DataError
 from rlflow.engine.faults import fault_point
 from rlflow.engine.models import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
@@ -170,8 +170,13 @@ def dpo_train_step(
         loss, r_chosen, r_rejected = dpo_loss(
             chosen, rejected, pair_ref[:, 0], pair_ref[:, 1], cfg.beta, cfg.label_smoothing
         )
+        tokens = torch.tensor([len(rows[j][0].response) for j in batch], device=chosen.device)
+        nll = chosen_nll(chosen, tokens)
+        if cfg.rpo_alpha:
+            loss = loss + cfg.rpo_alpha * nll
         n = float(len(batch))
         stats = {
+            "dpo/nll": nll.detach().sum(),
             "dpo/rewards/chosen": r_chosen.sum(),
             "dpo/rewards/rejected": r_rejected.sum(),
             "dpo/rewards/accuracy": (r_chosen > r_rejected).float().sum(),

@@ -7,6 +7,11 @@ the preference labels under that reward is the loss. With label smoothing eps (c
 
 Sequence log-probs are SUMS over the response tokens (nats), never means: the implicit reward is
 the log-ratio of whole-sequence probabilities.
+
+DPO only fixes the chosen-minus-rejected margin, and on its own often lowers both log-probs, moving
+mass to answers in neither set (for small models: invalid tokens). RPO (Pang et al. 2024,
+"Iterative Reasoning Preference Optimization") adds the chosen answer's per-token NLL with weight
+alpha, which keeps the chosen answers likely; online multi-round DPO needs it most.
 """
 
 from __future__ import annotations
@@ -42,3 +47,11 @@ def dpo_loss(
     chosen_rewards = beta * (policy_chosen_logps.float() - ref_chosen_logps.float()).detach()
     rejected_rewards = beta * (policy_rejected_logps.float() - ref_rejected_logps.float()).detach()
     return loss, chosen_rewards, rejected_rewards
+
+
+def chosen_nll(policy_chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """Per-pair negative log-likelihood of the chosen answer per token: [B] nats/token.
+
+    policy_chosen_logps: [B] summed response log-probs (nats); chosen_tokens: [B] their token
+    counts (>= 1). The mean over tokens keeps long and short answers on one scale, as in RPO."""
+    return -policy_chosen_logps.float() / chosen_tokens.float().clamp(min=1)

@@ -13,7 +13,7 @@ from rlflow.engine.backend import Runtime
 from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import EngineConfig, StageConfig, build_config
 from rlflow.engine.dpo import run_dpo_stage, sequence_logps
-from rlflow.engine.dpo_loss import dpo_loss
+from rlflow.engine.dpo_loss import chosen_nll, dpo_loss
 from rlflow.engine.errors import DataError
 from rlflow.engine.faults import KILLED_EXIT_CODE
 from rlflow.engine.models import load_policy, load_tokenizer
@@ -87,6 +87,11 @@ def test_gradient_pushes_chosen_up_and_rejected_down():
     assert torch.allclose(policy_c.grad, t(-0.0450166, -0.0524979), atol=1e-7)
     assert torch.allclose(policy_r.grad, -policy_c.grad)
     assert not chosen.requires_grad  # rewards are for logging only
+
+
+def test_chosen_nll_is_the_per_token_mean_by_hand():
+    # -(-12) / 4 = 3; -(-5) / 1 = 5; a zero token count is taken as one token.
+    assert torch.allclose(chosen_nll(t(-12, -5, -2), torch.tensor([4, 1, 0])), t(3.0, 5.0, 2.0))
 
 
 # -- the stage on the tiny demo model ----------------------------------------------------------------
@@ -227,6 +232,20 @@ def test_lora_dpo_trains_adapters_only_and_its_checkpoint_loads_as_a_causal_lm(s
     assert not torch.equal(
         merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
     )
+
+
+def test_rpo_adds_the_chosen_nll_and_keeps_chosen_answers_likely(first_run, small_assets, dpo_data, tmp_path):
+    _, _, plain_sink, _ = first_run
+    cfg = build_config(dpo_tree(small_assets, dpo_data, tmp_path, rpo_alpha=0.5), "t")
+    sink = RecordingSink()
+    run(cfg, make_ctx(tmp_path, sink=sink))
+    (_, loss), (_, nll) = sink.series("dpo/loss")[0], sink.series("dpo/nll")[0]
+    assert nll > 1.0  # the untrained model: several nats per token
+    assert loss == pytest.approx(LOG2 + 0.5 * nll, abs=1e-4)  # step 1: policy == reference, DPO term log 2
+    assert sink.series("dpo/nll")[0] == pytest.approx(plain_sink.series("dpo/nll")[0], abs=1e-6)  # same batch
+    # Plain DPO lowers the chosen answers' likelihood along with the rejected ones'; RPO keeps it higher.
+    last = lambda s: s.series("dpo/logps/chosen")[-1][1]
+    assert last(sink) > last(plain_sink) + 1.0
 
 
 def test_no_pairs_is_a_clear_error(first_run, tmp_path):
