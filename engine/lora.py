@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -40,6 +41,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER = "default"  # peft's adapter name; one adapter per model
 FORMAT = "rlflow-lora/1"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         peft_model = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     fingerprint = lineage.base_fingerprint or _fingerprint(lineage.base_path)
     peft_model.get_base_model().rlflow_lineage = Lineage(lineage.base_path, fingerprint, lineage.adapters)
+    trainable, total = trainable_parameters(peft_model)
+    log.info(
+        "LoRA r=%d alpha=%g on %s%s: %s of %s parameters train (%.2f%%)",
+        cfg.r, cfg.alpha, ",".join(targets), f" + {head}" if head else "", f"{trainable:,}", f"{total:,}",
+        100 * trainable / max(total, 1),
+    )  # fmt: skip
     return peft_model
 
 
