@@ -31,6 +31,7 @@ from rlflow.engine.data import PreferencePair, load_preference_pairs
 from rlflow.engine.dpo_loss import chosen_nll, dpo_loss
 from rlflow.engine.errors import DataError
 from rlflow.engine.faults import fault_point
+from rlflow.engine.lora import lora_metrics
 from rlflow.engine.models import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.reward_model import _pair_rows
 from rlflow.engine.stage import (
@@ -238,6 +239,8 @@ def run_dpo_stage(
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, total_steps, cfg.max_grad_norm)
     load = lambda: load_policy(init_path, **model_kwargs(model_cfg))  # noqa: E731
     engine = ctx.runtime.trainable("model", load, optim, lora=model_cfg.lora_for("dpo"))  # only adapters, if any
+    if model_cfg.lora_for("dpo"):
+        ctx.sink.log_metrics(lora_metrics("policy", engine.model), 0)
     engine.train()
     step, metrics = 0, {}
     if resume is not None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -41,8 +40,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER = "default"  # peft's adapter name; one adapter per model
 FORMAT = "rlflow-lora/1"
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,12 +117,6 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         peft_model = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     fingerprint = lineage.base_fingerprint or _fingerprint(lineage.base_path)
     peft_model.get_base_model().rlflow_lineage = Lineage(lineage.base_path, fingerprint, lineage.adapters)
-    trainable, total = trainable_parameters(peft_model)
-    log.info(
-        "LoRA r=%d alpha=%g on %s%s: %s of %s parameters train (%.2f%%)",
-        cfg.r, cfg.alpha, ",".join(targets), f" + {head}" if head else "", f"{trainable:,}", f"{total:,}",
-        100 * trainable / max(total, 1),
-    )  # fmt: skip
     return peft_model
 
 
@@ -137,6 +128,13 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; shared (tied) tensors count once."""
     params = list(model.parameters())
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def lora_metrics(role: str, model: nn.Module) -> dict[str, float]:
+    """`lora/<role>/trainable_params` and `lora/<role>/params` (adapters included) of a LoRA model:
+    what a stage logs at step 0, so the MLflow run shows how much of the model trained."""
+    trainable, total = trainable_parameters(model)
+    return {f"lora/{role}/trainable_params": float(trainable), f"lora/{role}/params": float(total)}
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from rlflow.engine.errors import RewardSourceError
 from rlflow.engine.rollout_service import RolloutService
 from rlflow.engine.models import disable_dropout, load_policy, load_scalar_model, load_tokenizer, model_kwargs
 from rlflow.engine.experience import Objective, PPOModels
-from rlflow.engine.lora import AdaptersOffView
+from rlflow.engine.lora import AdaptersOffView, lora_metrics
 from rlflow.engine.reward_source import build_reward_source, start_reward_pool
 from rlflow.engine.ppo import make_controller, ppo_step, run_evaluation
 from rlflow.engine.stage_guard import StageGuard
@@ -144,6 +144,10 @@ def run_ppo_stage(
     resume, changed = start_stage(ctx)
     guard = StageGuard(ctx, resume)
     models = load_ppo_models(inputs, model_cfg, cfg, gold, ctx.runtime)
+    if model_cfg.lora_for("ppo"):
+        for role, engine in (("actor", models.actor), ("critic", models.critic)):
+            if engine is not None:
+                ctx.sink.log_metrics(lora_metrics(role, engine.model), 0)
     prompts, eval_prompts = load_prompt_sets(models.tokenizer, data, eval_cfg, ctx.sink)
     run = PPORun(ctx, models, cfg, eval_cfg, checkpoint, eval_prompts, resume, changed, objective)
     step, saved_guards = 0, None

@@ -16,6 +16,7 @@ from rlflow.engine.data import PreferencePair, load_preference_pairs, load_sft_e
 from rlflow.engine.models import load_scalar_model, load_tokenizer, model_kwargs, sequence_scores
 from rlflow.engine.faults import fault_point
 from rlflow.engine.stage_guard import StageGuard
+from rlflow.engine.lora import lora_metrics
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
@@ -160,6 +161,8 @@ def run_reward_model_stage(
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, total_steps, cfg.max_grad_norm)
     engine = ctx.runtime.trainable("model", load, optim, lora=model_cfg.lora_for("rm"))
+    if model_cfg.lora_for("rm"):
+        ctx.sink.log_metrics(lora_metrics("reward_model", engine.model), 0)
     engine.train()
     step = 0
     if resume is not None:

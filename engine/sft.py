@@ -21,6 +21,7 @@ from rlflow.engine.data import load_sft_examples
 from rlflow.engine.models import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.faults import fault_point
 from rlflow.engine.stage_guard import StageGuard
+from rlflow.engine.lora import lora_metrics
 from rlflow.engine.stage import (
     StageContext,
     StageOutcome,
@@ -93,6 +94,8 @@ def run_sft_stage(
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.max_steps, cfg.max_grad_norm)
     load = lambda: load_policy(init_path, **model_kwargs(model_cfg))  # noqa: E731
     engine = ctx.runtime.trainable("model", load, optim, lora=model_cfg.lora_for("sft"))
+    if model_cfg.lora_for("sft"):
+        ctx.sink.log_metrics(lora_metrics("policy", engine.model), 0)
     engine.train()
     encode = lambda ex: encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
     train_rows = [encode(ex) for ex in load_sft_examples(data.sft, data.storage_options)]

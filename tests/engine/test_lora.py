@@ -173,6 +173,10 @@ def test_lora_sft_resumes_exactly(lora_sft, tmp_path):
     sink = RecordingSink()
     resumed = run_sft_stage(make_ctx(tmp_path, "sft", sink=sink), cfg.model.path, cfg.model, cfg.sft, cfg.data)
     assert resumed.resumed_from == 4 and [s for s, _ in sink.series("sft/loss")] == [5, 6]
+    base_params = trainable_parameters(load_policy(cfg.model.path))[1]
+    adapters = 2 * 4 * 4 * (128 + 128)  # as in the hand count above: r 4 on q/k/v/o of 2 layers
+    assert sink.series("lora/policy/trainable_params") == [(0, adapters)]  # logged for MLflow at step 0
+    assert sink.series("lora/policy/params") == [(0, base_params + adapters)]
     model_files = sorted(f"model/{f}" for f in os.listdir(f"{outcome.checkpoint_uri}/model"))
     for name in model_files + ["optim/model.rank00000.safetensors"]:  # every byte, adapter_config.json too
         with open(f"{outcome.checkpoint_uri}/{name}", "rb") as a, open(f"{resumed.checkpoint_uri}/{name}", "rb") as b:
