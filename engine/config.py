@@ -55,6 +55,9 @@ class LoraConfig(Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
+    # Modules trained whole besides the adapters (peft's modules_to_save), e.g. [embed_tokens]: with
+    # tied input and output embeddings the LM head trains with it, as one tensor. Costs a full copy.
+    modules_to_save: list[str] = Field(default_factory=list)
     # The training stages that train adapters; the others train every weight (e.g. a full SFT of a
     # model that was never pretrained, then LoRA for the reward model and RL).
     stages: list[Literal["sft", "rm", "ppo", "dpo"]] = Field(default_factory=lambda: ["sft", "rm", "ppo", "dpo"])

@@ -103,13 +103,15 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             f' its linear modules are: {", ".join(available)} (or use "all-linear")'
         )
     head = scalar_head_name(model)
+    whole = _modules_to_save(model, cfg.modules_to_save, targets)
     lineage = _lineage(model)
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
-        modules_to_save=[head] if head else None,  # the scalar head trains whole; it is small
+        modules_to_save=([head] if head else []) + whole or None,  # a scalar head trains whole; it is small
+        ensure_weight_tying=bool(whole) and _ties_embeddings(model),  # the LM head follows its trained embedding
         bias="none",
     )
     with warnings.catch_warnings():  # peft probes a transformers attribute deprecated in v5
@@ -118,6 +120,34 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     fingerprint = lineage.base_fingerprint or _fingerprint(lineage.base_path)
     peft_model.get_base_model().rlflow_lineage = Lineage(lineage.base_path, fingerprint, lineage.adapters)
     return peft_model
+
+
+def _ties_embeddings(model: nn.Module) -> bool:
+    """Whether `model` has an LM head tied to its input embedding (a scalar model has no LM head)."""
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and model.get_output_embeddings() is not None
+
+
+def _modules_to_save(model: nn.Module, names: list[str], targets: list[str]) -> list[str]:
+    """model.lora.modules_to_save checked against the model: short names of existing modules that
+    hold parameters, none of them also a LoRA target. ConfigError otherwise."""
+    present = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if name and next(m.parameters(False), None) is not None
+    }
+    unknown = [n for n in names if n not in present]
+    if unknown:
+        raise ConfigError(
+            f"model.lora.modules_to_save: {', '.join(unknown)} is not a module with weights of {type(model).__name__};"
+            f" e.g. {', '.join(sorted(present)[:8])}"
+        )
+    both = [n for n in names if n in targets]
+    if both:
+        raise ConfigError(
+            f"model.lora.modules_to_save: {', '.join(both)} is also in model.lora.target_modules; a module either"
+            " gets adapters or trains whole: remove it from one of the two"
+        )
+    return list(dict.fromkeys(names))
 
 
 def _fingerprint(path: str) -> str:
@@ -157,7 +187,13 @@ def save_lora_dir(model: nn.Module, tokenizer: Any, out: str) -> None:
     if not lineage.base_path:  # adapters without their base are useless
         raise ValueError(f"{type(base).__name__} was not loaded from a path: its LoRA base cannot be recorded")
     os.makedirs(out, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    state, seen = {}, set()
+    for key, value in get_peft_model_state_dict(model).items():
+        tensor = value.detach().to("cpu").contiguous()
+        # A tied embedding and LM head trained whole (modules_to_save) are one tensor under two keys;
+        # safetensors refuses aliases, and peft's loader expects both keys (ties them again).
+        state[key] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
     save_file(state, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     parents = []
     for i, source in enumerate(lineage.adapters):
@@ -255,6 +291,7 @@ def _load_adapter(model: nn.Module, adapter_dir: str, key: str) -> nn.Module:
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{key}: the LoRA adapter at {adapter_dir} could not be loaded: {first}") from None
+    _retie_embeddings(peft_model)
     loaded = get_peft_model_state_dict(peft_model)
     wrong = sorted(set(expected) ^ set(loaded)) or [k for k in expected if not torch.equal(expected[k], loaded[k])]
     if wrong:  # peft only warns about adapter keys it could not place
@@ -263,6 +300,18 @@ def _load_adapter(model: nn.Module, adapter_dir: str, key: str) -> nn.Module:
             " on another architecture"
         )
     return peft_model
+
+
+def _retie_embeddings(model: nn.Module) -> None:
+    """peft's loader gives a tied LM head trained whole (modules_to_save) a copy of its own, while
+    the trained model held one tensor: tie the two again (the file holds equal values for both)."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    base = model.get_base_model()
+    inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
+    tied = getattr(base.config, "tie_word_embeddings", False)
+    if tied and all(isinstance(m, ModulesToSaveWrapper) and ADAPTER in m.modules_to_save for m in (inputs, outputs)):
+        outputs.modules_to_save[ADAPTER].weight = inputs.modules_to_save[ADAPTER].weight
 
 
 def merge_into_base(model: nn.Module) -> nn.Module:

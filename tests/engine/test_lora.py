@@ -121,6 +121,36 @@ def test_adapters_disabled_is_the_base_model_and_merging_is_exact(small_assets):
         adapters_disabled(merged).__enter__()
 
 
+def test_modules_to_save_trains_the_tied_embedding_and_head_as_one_tensor(small_assets, tmp_path):
+    base = str(small_assets / "tiny-model")
+    expected = logits(load_policy(base))
+    cfg = LoraConfig(r=4, modules_to_save=["embed_tokens"])
+    model = apply_lora(load_policy(base), cfg)
+    inner = model.get_base_model()
+    embedding = inner.model.embed_tokens.modules_to_save["default"].weight
+    assert embedding.requires_grad and inner.lm_head.weight is embedding  # still tied: one trained tensor
+    assert trainable_parameters(model)[0] == hand_count(model.config, 4, ["q_proj", "k_proj", "v_proj", "o_proj"]) + (
+        embedding.numel()
+    )
+    with torch.no_grad():
+        embedding.add_(0.05 * torch.randn(embedding.shape, generator=torch.Generator().manual_seed(2)))
+    adapted = logits(model)
+    assert (adapted - expected).abs().max() > 1e-3
+    with adapters_disabled(model):  # the reference: the original embedding and head
+        assert torch.equal(logits(model), expected)
+    save_lora_dir(model, load_tokenizer(base), str(tmp_path / "lora"))
+    loaded = load_policy(str(tmp_path / "lora"))
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    torch.testing.assert_close(logits(loaded), adapted, rtol=0, atol=1e-5)
+    synced = dict(merged_named_parameters(model))
+    assert synced.keys() == dict(loaded.named_parameters()).keys()
+    torch.testing.assert_close(synced["model.embed_tokens.weight"], loaded.model.embed_tokens.weight, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="embed_token is not a module with weights"):
+        apply_lora(load_policy(base), LoraConfig(r=4, modules_to_save=["embed_token"]))
+    with pytest.raises(ConfigError, match="q_proj is also in model.lora.target_modules"):
+        apply_lora(load_policy(base), LoraConfig(r=4, modules_to_save=["q_proj"]))
+
+
 def test_sft_trains_only_adapters(small_assets):
     cfg = build_config(small_config_tree(small_assets, small_assets, sft=SFT), "t")
     tokenizer = load_tokenizer(cfg.model.path)

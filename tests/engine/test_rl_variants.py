@@ -161,15 +161,21 @@ def test_a_failing_reward_function_names_itself_or_is_skipped_and_counted(traine
     assert metrics["reward/boom/skipped"] == 8.0 and metrics["reward/boom/mean"] == 0.0
 
 
-def test_lora_actor_trains_adapters_and_its_reference_is_itself_with_adapters_off(trained, small_assets, tmp_path):
+@pytest.mark.parametrize("whole", [[], ["embed_tokens"]], ids=["adapters", "adapters+embedding"])
+def test_lora_actor_trains_adapters_and_its_reference_is_itself_with_adapters_off(
+    trained, small_assets, tmp_path, whole
+):
     from rlflow.engine.lora import AdaptersOffView, trainable_parameters
     from rlflow.engine.models import load_policy
 
     cfg = _config(small_assets, tmp_path, "grpo", n=2, rollout_batch=4, mini_batch=4)
-    cfg = build_config(cfg.model_dump(mode="json") | {"model": {**cfg.model.model_dump(), "lora": {"r": 4}}}, "t")
+    lora = {"r": 4, "modules_to_save": whole}
+    cfg = build_config(cfg.model_dump(mode="json") | {"model": {**cfg.model.model_dump(), "lora": lora}}, "t")
     models, metrics, prompts = _step(trained, cfg, Runtime())
     assert isinstance(models.scoring.reference, AdaptersOffView)
-    assert trainable_parameters(models.actor.model)[0] == 2 * 4 * 4 * (128 + 128)  # layers x q,k,v,o x r x (in + out)
+    embedding = models.actor.model.get_input_embeddings().weight.numel() if whole else 0  # tied head: counted once
+    adapters = 2 * 4 * 4 * (128 + 128)  # layers x q,k,v,o x r x (in + out)
+    assert trainable_parameters(models.actor.model)[0] == adapters + embedding
     assert metrics["actor/kl"] == 0.0  # step 1 samples from the reference itself
     ids = torch.tensor([list(prompts.token_ids[0])])
     sft = load_policy(trained[0])
