@@ -94,16 +94,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
     if is_lora_model(model):  # stacking would train two adapter sets and save only one
         raise ValueError(f"{type(model).__name__} already has LoRA adapters; merge_into_base it first")
-    available = linear_module_names(model)
-    targets = available if cfg.target_modules == "all-linear" else list(dict.fromkeys(cfg.target_modules))
-    unknown = [name for name in targets if name not in available]
-    if unknown:
-        raise ConfigError(
-            f"model.lora.target_modules: {', '.join(unknown)} is not a linear module of {type(model).__name__};"
-            f' its linear modules are: {", ".join(available)} (or use "all-linear")'
-        )
+    targets, whole = lora_modules(model, cfg)
     head = scalar_head_name(model)
-    whole = _modules_to_save(model, cfg.modules_to_save, targets)
     lineage = _lineage(model)
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
@@ -125,6 +117,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 def _ties_embeddings(model: nn.Module) -> bool:
     """Whether `model` has an LM head tied to its input embedding (a scalar model has no LM head)."""
     return bool(getattr(model.config, "tie_word_embeddings", False)) and model.get_output_embeddings() is not None
+
+
+def lora_modules(model: nn.Module, cfg: LoraConfig) -> tuple[list[str], list[str]]:
+    """(modules that get adapters, modules trained whole) of `model` under `cfg`, as short names.
+
+    ConfigError when target_modules names no linear layer of the backbone or modules_to_save no
+    module with weights. Works on a model built on the meta device (the run's pre-flight check)."""
+    available = linear_module_names(model)
+    targets = available if cfg.target_modules == "all-linear" else list(dict.fromkeys(cfg.target_modules))
+    unknown = [name for name in targets if name not in available]
+    if unknown:
+        raise ConfigError(
+            f"model.lora.target_modules: {', '.join(unknown)} is not a linear module of {type(model).__name__};"
+            f' its linear modules are: {", ".join(available)} (or use "all-linear")'
+        )
+    return targets, _modules_to_save(model, cfg.modules_to_save, targets)
 
 
 def _modules_to_save(model: nn.Module, names: list[str], targets: list[str]) -> list[str]:

@@ -138,6 +138,23 @@ def check_reward_sources(config: Any) -> None:
             make_rule(source.type, source.kwargs, source.name)
 
 
+def check_lora(config: Any) -> None:
+    """model.lora's module names against the policy's architecture (built on the meta device: no
+    weights are read), before SFT spends its minutes; a reward model or critic shares the backbone."""
+    if config.model.lora is None:
+        return
+    import torch
+    from rlflow.engine.lora import lora_modules
+    from rlflow.engine.models import resolve_model_path
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trust = config.model.trust_remote_code
+    hf_config = AutoConfig.from_pretrained(resolve_model_path(config.model.path), trust_remote_code=trust)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust)
+    lora_modules(model, config.model.lora)
+
+
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs every stage needs: devices, model paths, data files (parsed in full),
     and where checkpoints go."""
@@ -160,5 +177,6 @@ def check_inputs(config: Any) -> None:
     for ref in config.callbacks:
         load_function(ref, "callbacks")
     check_reward_sources(config)
+    check_lora(config)
     check_run_root(config)
     check_mirror(config)

@@ -221,6 +221,18 @@ CASES: dict[str, Callable[[Case], tuple[list[str], str]]] = {
             " Qwen/Qwen2-0.5B-Instruct"
         ),
     ),
+    "model: LoRA target that is not a linear layer": lambda c: (
+        [c.config(model={"lora": {"target_modules": ["q_proj", "qkv"]}})],
+        (
+            "model.lora.target_modules: qkv is not a linear module of LlamaForCausalLM; its linear modules are:"
+            ' down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or use "all-linear")'
+        ),
+    ),
+    "model: LoRA modules_to_save misspelt": lambda c: (
+        [c.config(model={"lora": {"modules_to_save": ["embed_token"]}})],
+        "model.lora.modules_to_save: embed_token is not a module with weights of LlamaForCausalLM; e.g. down_proj,"
+        " embed_tokens, gate_proj, input_layernorm, k_proj, lm_head, norm, o_proj",
+    ),
     "model: reward model with another vocabulary": lambda c: (
         [c.config(rm={"init": str(c.other_vocab_model)})],
         (
