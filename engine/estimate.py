@@ -130,6 +130,8 @@ def candidate_plans(
         return replace(pw, rollout_gpus=vllm_gpus_needed(pw, device)) if pw.rollout_gpus else pw
 
     plans = [(adapted(w, 0), replace(base, zero_stage=0, n_gpus=1, offload="none"))]
+    if w.lora is not None:  # LoRA trains on the torch backend only (engine/config.py)
+        return plans
     for stage, offload, n in product((1, 2, 3), OFFLOADS, GPU_COUNTS):
         shared = workload_for(w, n)
         if n > max_gpus or (offload == "all" and stage != 3) or shared is None:
@@ -168,17 +170,25 @@ def _params(n: float) -> str:
 
 
 def _states_bytes(w: AnyWorkload) -> float:
-    """Weights + gradients + optimizer states of the trained models together, unpartitioned."""
-    return w.trainable_params * w.precision.model_state_bytes
+    """Weights + gradients + optimizer states of the trained models together, unpartitioned (with
+    LoRA: the frozen base weights plus the trainable parameters' states)."""
+    states = w.trainable_params * w.precision.model_state_bytes
+    if w.lora is not None:
+        base = w.actor.lm_params + (w.critic_params if isinstance(w, Workload) else 0)
+        states += base * w.precision.weight_bytes
+    return states
 
 
 def _trained_models(w: AnyWorkload) -> str:
-    """e.g. "the 7.00B actor and 0.50B critic", "the 0.50B actor (no critic)", "the 7.00B policy"."""
+    """e.g. "the 7.00B actor and 0.50B critic", "the 0.50B actor (no critic)", "the 7.00B policy",
+    "the 7.00B actor (no critic; LoRA: 40.00M trainable)"."""
+    lora = f"LoRA: {_params(w.trainable_params)} trainable" if w.lora else ""
     if isinstance(w, DPOWorkload):
-        return f"the {_params(w.actor.lm_params)} policy"
+        return f"the {_params(w.actor.lm_params)} policy" + (f" ({lora})" if lora else "")
     if w.critic is None:
-        return f"the {_params(w.actor.lm_params)} actor (no critic)"
-    return f"the {_params(w.actor.lm_params)} actor and {_params(w.critic_params)} critic"
+        return f"the {_params(w.actor.lm_params)} actor (no critic{'; ' + lora if lora else ''})"
+    both = f"the {_params(w.actor.lm_params)} actor and {_params(w.critic_params)} critic"
+    return both + (f" ({lora})" if lora else "")
 
 
 def why_not(e: Estimate) -> str:
@@ -233,6 +243,11 @@ def nothing_fits(estimates: list[Estimate], device: DeviceSpec, max_gpus: int) -
         fix = (
             "shrink the per-pass batch: engine.micro_batch_size=1, engine.gradient_checkpointing=true,"
             " a smaller rollout.generate_batch, or shorter prompts/responses"
+        )
+    elif closest.workload.lora is not None:
+        fix = (
+            "model.lora trains on one device (the torch backend): a GPU type with more memory or a smaller model;"
+            " without model.lora, ZeRO can spread full training over more GPUs"
         )
     else:
         fix = f"allow more GPUs (--max-gpus above {max_gpus}), a GPU type with more memory, or a smaller model"

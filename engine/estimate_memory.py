@@ -159,10 +159,11 @@ def resident_states(w: Workload, s: Strategy) -> _Resident:
     a critic-free workload has no critic, one without learned reward models no reward weights."""
     p, n = w.precision, s.n_gpus
     trainable = w.trainable_params
+    lora = w.lora is not None  # the frozen base plus the trainable adapters and copies
     params = {
-        "actor": w.actor.lm_params,
-        "critic": w.critic_params,
-        "reference": w.reference.lm_params,
+        "actor": w.actor.lm_params + (w.actor_trainable if lora else 0),
+        "critic": w.critic_params + (w.critic_trainable if lora else 0),
+        "reference": w.reference_params,
         "reward": sum(r.scalar_params for r in w.rewards),
     }
     weight_share = 1 / n if s.zero_stage == 3 else 1.0
@@ -173,7 +174,7 @@ def resident_states(w: Workload, s: Strategy) -> _Resident:
         weights = dict.fromkeys(weights, 0.0)
     _, gradients, optimizer = partitioned_states(trainable, p, s.zero_stage, n)
     if s.zero_stage == 0:  # the torch backend frees each model's gradients at its optimizer step
-        gradients = max(w.actor.lm_params, w.critic_params) * p.grad_bytes
+        gradients = max(w.actor_trainable, w.critic_trainable) * p.grad_bytes
     if s.offload_optimizer:  # ZeRO-Offload: optimizer states and fp32 gradient partitions on the host
         host += optimizer + trainable * 4 / n
         optimizer, gradients = 0.0, 0.0
@@ -274,7 +275,7 @@ def estimate_memory(w: Workload, s: Strategy, device: DeviceSpec) -> MemoryEstim
         training_parts.update(activations=actor_act + critic_act, logits=actor_logits)
     buckets = 0.0
     if s.zero_stage >= 1 and on_gpu:
-        largest = max(w.actor.lm_params, w.critic_params)
+        largest = max(w.actor_trainable, w.critic_trainable)
         buckets = min(ZERO_BUCKET_ELEMENTS, largest) * w.precision.grad_bytes
     shared = dict(optimizer=res.optimizer, gathered=gathered, server=roll.server_on_trainer, device=device)
     phases = (
@@ -343,13 +344,15 @@ def estimate_dpo_memory(w: DPOWorkload, s: Strategy, device: DeviceSpec) -> Memo
     training holds the policy's weights, gradients and optimizer states (ZeRO-partitioned as in
     the RL stage) and a micro-batch of 2 x micro_pairs sequences; the reference is freed by then."""
     p, n, e, tokens = w.precision, s.n_gpus, w.precision.weight_bytes, w.seq_tokens
-    actor_w, grads, optimizer = partitioned_states(w.actor.lm_params, p, s.zero_stage, n)
+    actor_w, grads, optimizer = partitioned_states(w.trainable_params, p, s.zero_stage, n)
+    if w.lora is not None:  # the frozen base besides the trainable adapters (torch backend: one process)
+        actor_w += w.actor.lm_params * e
     ref_w = w.reference.lm_params * e / (n if s.zero_stage == 3 else 1)
     host = 0.0
     if s.offload_params:  # ZeRO-3 partitions live in host memory; one model at a time
         host, actor_w, ref_w = max(actor_w, ref_w), 0.0, 0.0
     if s.offload_optimizer:
-        host += optimizer + w.actor.lm_params * 4 / n
+        host += optimizer + w.trainable_params * 4 / n
         optimizer, grads = 0.0, 0.0
     gathered = zero_gathered_bytes(w, s)
     ref_rows, rows = 2 * w.pass_pairs, 2 * w.micro_pairs(n)
@@ -364,7 +367,7 @@ def estimate_dpo_memory(w: DPOWorkload, s: Strategy, device: DeviceSpec) -> Memo
         kv_cache=0.0,
     )
     on_gpu = not device.is_cpu
-    buckets = min(ZERO_BUCKET_ELEMENTS, w.actor.lm_params) * p.grad_bytes if s.zero_stage >= 1 and on_gpu else 0.0
+    buckets = min(ZERO_BUCKET_ELEMENTS, w.trainable_params) * p.grad_bytes if s.zero_stage >= 1 and on_gpu else 0.0
     shared = dict(gathered=gathered, server=0.0, device=device)
     phases = (
         _phase("reference", reference_parts, {"reference": ref_w}, grads=0.0, optimizer=0.0, buckets=0.0, **shared),

@@ -205,3 +205,68 @@ def resolve_model(spec: str) -> ModelShape:
     """`spec` is a size ('7B', '0.5B', '350M') or a local HF model folder."""
     size = parse_size(spec)
     return shape_from_size(size) if size is not None else load_model_shape(spec)
+
+
+# Linear layers of one decoder layer by their short name (Llama/Qwen2/Mistral, and OPT's), as
+# (in, out) widths; what model.lora.target_modules names.
+def layer_matrices(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_width, shape.kv_width
+    attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv)}
+    if not shape.gated_mlp:  # OPT: out_proj, fc1, fc2
+        return attention | {"out_proj": (q, h), "fc1": (h, i), "fc2": (i, h)}
+    return attention | {"o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+EMBEDDING_NAMES = ("embed_tokens", "embed_in", "wte", "lm_head", "embed_out")
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """model.lora as the estimate needs it: the adapters' rank, the layers they sit on and the
+    modules that train whole. Counts follow engine/lora.py (peft): r x (in + out) per adapted
+    matrix per layer; a tied embedding and LM head in modules_to_save are one trained tensor."""
+
+    r: int
+    targets: tuple[str, ...]  # short names, or ("all-linear",)
+    whole: tuple[str, ...] = ()  # modules_to_save
+
+    def adapter_params(self, shape: ModelShape) -> int:
+        """Parameters of the adapters on one model of `shape` (all its layers)."""
+        matrices = layer_matrices(shape)
+        names = list(matrices) if self.targets == ("all-linear",) else self.targets
+        unknown = [n for n in names if n not in matrices]
+        if unknown:
+            raise ConfigError(
+                f"model.lora.target_modules: the estimate knows the linear layers {', '.join(matrices)};"
+                f" {', '.join(unknown)} is none of them"
+            )
+        return shape.num_layers * sum(self.r * sum(matrices[n]) for n in names)
+
+    def whole_params(self, shape: ModelShape, scalar: bool) -> int:
+        """Parameters of modules_to_save on a causal LM (scalar=False) or a scalar-head model: an
+        embedding-sized copy per embedding or LM head named (one when tied; a scalar model has no
+        LM head), a layer's matrix x layers for a linear name; norms and the like are negligible."""
+        vocab = shape.vocab_size * shape.hidden_size
+        embeddings = {n for n in self.whole if n in EMBEDDING_NAMES}
+        if scalar:
+            embeddings = {n for n in embeddings if n not in ("lm_head", "embed_out")}
+        copies = 1 if embeddings and (shape.tie_word_embeddings or scalar) else len(embeddings)
+        matrices = layer_matrices(shape)
+        linear = sum(shape.num_layers * math.prod(matrices[n]) for n in self.whole if n in matrices)
+        return copies * vocab + linear
+
+    def trainable(self, shape: ModelShape, scalar: bool) -> int:
+        """Trainable parameters of a LoRA model: adapters, modules_to_save, and a scalar model's head."""
+        return self.adapter_params(shape) + self.whole_params(shape, scalar) + (shape.hidden_size if scalar else 0)
+
+    def weight_grad_flop_params(self, shape: ModelShape, scalar: bool) -> int:
+        """Matmul parameters whose weight gradient the backward still computes (the LM head's when
+        it trains whole, linear modules_to_save); the adapters' own are negligible."""
+        head = (
+            not scalar
+            and any(n in self.whole for n in ("lm_head", "embed_out"))
+            or (not scalar and shape.tie_word_embeddings and any(n in self.whole for n in EMBEDDING_NAMES))
+        )
+        matrices = layer_matrices(shape)
+        linear = sum(shape.num_layers * math.prod(matrices[n]) for n in self.whole if n in matrices)
+        return (shape.vocab_size * shape.hidden_size if head else 0) + linear

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 from rlflow.engine.estimate_hardware import DeviceSpec
 from rlflow.engine.estimate_memory import MemoryEstimate
-from rlflow.engine.estimate_model import ModelShape
+from rlflow.engine.estimate_model import LoraShape, ModelShape
 from rlflow.engine.estimate_workload import DPOWorkload, Precision, Strategy, Workload
 
 
@@ -207,15 +207,22 @@ def training_seconds(w: Workload, s: Strategy, device: DeviceSpec) -> tuple[floa
     n = s.n_gpus
     steps, micro = _micro_batches_per_epoch(w, n)
     rows = steps * w.rows_per_rank(n)
-    models = [(w.actor, w.actor.lm_flop_params, w.actor.lm_params)]
+    models = [(w.actor, w.actor.lm_flop_params, w.actor_trainable, False)]
     if w.critic is not None:
-        models.append((w.critic, w.critic.scalar_flop_params, w.critic.scalar_params))
+        models.append((w.critic, w.critic.scalar_flop_params, w.critic_trainable, True))
     compute = optimizer = comm = 0.0
-    for shape, flop_params, params in models:
+    for shape, flop_params, params, scalar in models:
         flops = sequence_flops(shape, flop_params, rows, w.sequence_tokens, w.response_tokens + 1)
-        parts = update_seconds(shape, flops, params, w.precision, s, device, steps, micro)
+        grads = weight_grad_share(w.lora, shape, scalar, flop_params)
+        parts = update_seconds(shape, flops, params, w.precision, s, device, steps, micro, grads)
         compute, optimizer, comm = compute + parts[0], optimizer + parts[1], comm + parts[2]
     return w.epochs * compute, w.epochs * optimizer, w.epochs * comm
+
+
+def weight_grad_share(lora: LoraShape | None, shape: ModelShape, scalar: bool, flop_params: int) -> float:
+    """Share of a model's matmul weights whose gradient the backward computes: all of them without
+    LoRA; with it only what trains whole (modules_to_save), as the adapters' own are negligible."""
+    return 1.0 if lora is None else lora.weight_grad_flop_params(shape, scalar) / flop_params
 
 
 def update_seconds(
@@ -227,12 +234,16 @@ def update_seconds(
     device: DeviceSpec,
     steps: int,
     micro: int,
+    weight_grads: float = 1.0,
 ) -> tuple[float, float, float]:
     """(forward + backward, optimizer, communication) seconds of training one model for `steps`
-    optimizer steps in `micro` micro-batches per rank, whose forwards take `forward` FLOPs in all."""
+    optimizer steps in `micro` micro-batches per rank, whose forwards take `forward` FLOPs in all.
+    `params`: the trained parameters (optimizer, gradients); `weight_grads`: weight_grad_share."""
     eff = EFFICIENCY["cpu" if device.is_cpu else "gpu"]
     peak, bandwidth = device.peak_flops(p.compute), device.memory_gbs * 1e9
-    passes = 4.0 if s.gradient_checkpointing else 3.0  # forward + backward (2x) [+ recomputed forward]
+    # forward + backward: the input gradients (1 forward) and the weight gradients (1 forward x the
+    # share that trains) [+ the recomputed forward with gradient checkpointing]
+    passes = 2.0 + weight_grads + (1.0 if s.gradient_checkpointing else 0.0)
     overhead_calls = 1 + BACKWARD_OVERHEAD + (1 if s.gradient_checkpointing else 0)
     compute = passes * forward / (peak * eff.train_mfu) + micro * overhead_calls * _forward_overhead(shape, eff)
     partition = params / (s.n_gpus if s.zero_stage >= 1 else 1)
@@ -292,5 +303,6 @@ def estimate_dpo_step_time(w: DPOWorkload, s: Strategy, device: DeviceSpec) -> t
     pairs = w.pairs_per_rank(n)
     micro = -(-pairs // w.micro_pairs(n))
     forward = sequence_flops(a, a.lm_flop_params, 2 * pairs, w.seq_tokens, w.seq_tokens)
-    training, optimizer, comm = update_seconds(a, forward, a.lm_params, w.precision, s, device, 1, micro)
+    grads = weight_grad_share(w.lora, a, False, a.lm_flop_params)
+    training, optimizer, comm = update_seconds(a, forward, w.trainable_params, w.precision, s, device, 1, micro, grads)
     return StepTime(0.0, 0.0, training, optimizer, comm), dpo_reference_seconds(w, s, device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.estimate_model import ModelShape
+from rlflow.engine.estimate_model import LoraShape, ModelShape
 
 
 @dataclass(frozen=True)
@@ -165,8 +165,12 @@ class Workload:
     samples_per_prompt: int = 1  # rollout.n
     extra_rewards: tuple[ModelShape, ...] = ()  # reward.sources models with a path: frozen scalar models
     kl_in_loss: bool = False  # the KL is a loss term (GRPO's default): no extra pass, said in the report
+    lora: LoraShape | None = None  # model.lora for the RL stage: actor and critic train adapters
+    reference_shared: bool = False  # LoRA: the reference is the actor with its adapters off (no copy)
 
     def __post_init__(self) -> None:
+        if self.reference_shared and self.lora is None:
+            raise ConfigError("reference_shared needs lora: only a LoRA actor computes its reference with adapters off")
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ConfigError(f"unknown rollout engine {self.rollout_engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
         if self.algorithm not in RL_ALGORITHMS:
@@ -192,14 +196,30 @@ class Workload:
         return 0 if self.critic is None else self.critic.scalar_params
 
     @property
+    def actor_trainable(self) -> int:
+        """The actor's parameters with gradients and optimizer states (with LoRA: adapters etc.)."""
+        return self.lora.trainable(self.actor, scalar=False) if self.lora else self.actor.lm_params
+
+    @property
+    def critic_trainable(self) -> int:
+        if self.critic is None:
+            return 0
+        return self.lora.trainable(self.critic, scalar=True) if self.lora else self.critic.scalar_params
+
+    @property
     def trainable_params(self) -> int:
         """Parameters with gradients and optimizer states: the actor, plus the critic if there is one."""
-        return self.actor.lm_params + self.critic_params
+        return self.actor_trainable + self.critic_trainable
+
+    @property
+    def reference_params(self) -> int:
+        """The reference's own weights: none when it is the LoRA actor with its adapters off."""
+        return 0 if self.reference_shared else self.reference.lm_params
 
     @property
     def frozen_params(self) -> int:
         """Parameters of the frozen models: the reference and every learned reward model."""
-        return self.reference.lm_params + sum(r.scalar_params for r in self.rewards)
+        return self.reference_params + sum(r.scalar_params for r in self.rewards)
 
     @property
     def shapes(self) -> tuple[ModelShape, ...]:
@@ -289,6 +309,7 @@ class DPOWorkload:
     max_tokens_per_microbatch: int | None = None
     algorithm: str = "dpo"
     rollout_gpus: int = 0  # no sampler: a vLLM server never runs in DPO
+    lora: LoraShape | None = None  # model.lora for the DPO stage
 
     @property
     def steps(self) -> int:
@@ -297,7 +318,7 @@ class DPOWorkload:
 
     @property
     def trainable_params(self) -> int:
-        return self.actor.lm_params
+        return self.lora.trainable(self.actor, scalar=False) if self.lora else self.actor.lm_params
 
     @property
     def shapes(self) -> tuple[ModelShape, ...]:

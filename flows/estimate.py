@@ -19,7 +19,7 @@ from rlflow.engine.errors import ConfigError, RlflowError
 from rlflow.engine.estimate import MEMORY_MARGIN, Estimate, Recommendation, estimate_ppo, recommend
 from rlflow.engine.estimate_hardware import CPU_DEVICE, DeviceSpec, device_spec, load_price_book, measure_cpu
 from rlflow.engine.estimate_memory import GIB
-from rlflow.engine.estimate_model import ModelShape, resolve_model
+from rlflow.engine.estimate_model import LoraShape, ModelShape, resolve_model
 from rlflow.engine.estimate_workload import (
     OFFLOADS,
     ROLLOUT_ENGINES,
@@ -123,6 +123,15 @@ def preference_pairs(config: Config, pairs: int | None) -> tuple[int, int]:
     return pairs, count(config.data.preferences_eval, "data.preferences_eval")
 
 
+def lora_shape(config: Config, stage: str) -> LoraShape | None:
+    """model.lora as the estimate's LoraShape when it applies to `stage` ("ppo" or "dpo")."""
+    lora = config.model.lora_for(stage)
+    if lora is None:
+        return None
+    targets = ("all-linear",) if lora.target_modules == "all-linear" else tuple(lora.target_modules)
+    return LoraShape(lora.r, targets, tuple(lora.modules_to_save))
+
+
 def build_dpo_workload(config: Config, args: argparse.Namespace, precision: Any) -> DPOWorkload:
     """The DPO stage of `config`: the policy (and its reference, same shape) over the pairs."""
     if args.reward_model:
@@ -142,6 +151,7 @@ def build_dpo_workload(config: Config, args: argparse.Namespace, precision: Any)
         held_out_pairs=held_out,
         micro_batch_size=config.engine.micro_batch_size,
         max_tokens_per_microbatch=config.engine.max_tokens_per_microbatch,
+        lora=lora_shape(config, "dpo"),
     )
 
 
@@ -162,6 +172,8 @@ def build_inputs(
         offload_frozen_models=eng.offload_frozen_models,
     )
     precisions = BackendPrecisions.of(eng.precision, config.model.dtype, on_gpu=not device.is_cpu)
+    if config.model.lora is not None and strategy.zero_stage != 0:
+        raise ConfigError(f"--zero {strategy.zero_stage}: model.lora trains on the torch backend only; drop --zero")
     if config.algorithm.name == "dpo":
         workload = build_dpo_workload(config, args, precisions.for_stage(strategy.zero_stage))
         problem = workload.rank_shares_problem(strategy.n_gpus)
@@ -186,6 +198,8 @@ def build_inputs(
         algorithm=config.algorithm.name,
         samples_per_prompt=config.rollout.n,
         kl_in_loss=config.algorithm.kl_in_loss,
+        lora=lora_shape(config, "ppo"),
+        reference_shared=lora_shape(config, "ppo") is not None and config.ppo.reference == "round_start",
     )
     problem = workload.rank_shares_problem(strategy.n_gpus)
     if problem:
@@ -279,7 +293,21 @@ def _model_lines(w: AnyWorkload) -> list[str]:
     else:
         lines.append(_model_line("reward model", w.reward, w.reward.scalar_params))
     lines += [_model_line("reward (path)", r, r.scalar_params) for r in w.extra_rewards]
-    return lines
+    return lines + _lora_lines(w)
+
+
+def _lora_lines(w: AnyWorkload) -> list[str]:
+    """What trains under model.lora, e.g. "LoRA r=16 on all-linear + embed_tokens: actor 0.11M of ..."."""
+    if w.lora is None:
+        return []
+    what = f"LoRA r={w.lora.r} on {','.join(w.lora.targets)}" + "".join(f" + {m}" for m in w.lora.whole)
+    if isinstance(w, DPOWorkload):
+        return [f"  {what}: policy {_count(w.trainable_params)} trainable of {_count(w.actor.lm_params)}"]
+    trained = f"actor {_count(w.actor_trainable)} of {_count(w.actor.lm_params)}"
+    if w.critic is not None:
+        trained += f", critic {_count(w.critic_trainable)} of {_count(w.critic_params)}"
+    shared = "; the reference is the actor with adapters off (no copy)" if w.reference_shared else ""
+    return [f"  {what}: {trained} trainable{shared}"]
 
 
 def _workload_lines(w: AnyWorkload, device: DeviceSpec, currency: str) -> list[str]:

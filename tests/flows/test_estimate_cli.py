@@ -121,3 +121,17 @@ def test_a_dpo_config_is_estimated_from_its_preference_pairs(tiny_model, tmp_pat
     )
     assert main(["estimate", DEMO, "algorithm.name=dpo", "--reward-model", "7B", "--pairs", "9"]) == 2
     assert "trains without a reward model" in capsys.readouterr().err
+
+
+def test_a_lora_config_counts_its_adapters_and_stays_on_one_device(tiny_model, capsys):
+    lora = "model.lora={r: 16, target_modules: all-linear, modules_to_save: [embed_tokens], stages: [rm, ppo]}"
+    bf16 = "model.dtype=bfloat16"
+    assert main(["estimate", DEMO, f"model.path={tiny_model}", bf16, lora, "--model", "8B", "--gpu", "h100-80g"]) == 0
+    out = capsys.readouterr().out
+    # Llama-3.1-8B: 32 x 16 x (2 x 8192 + 2 x 5120 + 3 x (4096 + 14336)) = 41.9M adapters + its untied
+    # 128256 x 4096 = 525.3M embedding; the critic adds its score head, has no LM head to tie
+    assert "LoRA r=16 on all-linear + embed_tokens: actor 0.57B of 8.03B, critic 0.57B of 7.50B trainable" in out
+    assert "the reference is the actor with adapters off (no copy)" in out
+    assert "recommendation: keep it - torch backend on 1 device" in out and "(1 plans compared" in out
+    assert main(["estimate", DEMO, f"model.path={tiny_model}", lora, "--zero", "3", "--gpus", "2"]) == 2
+    assert "--zero 3: model.lora trains on the torch backend only" in capsys.readouterr().err
