@@ -213,6 +213,24 @@ def test_lora_sft_resumes_exactly(lora_sft, tmp_path):
             assert a.read() == b.read(), name
 
 
+def test_a_stage_training_the_embedding_whole_resumes_exactly_and_stays_tied(small_assets, tmp_path):
+    lora = LORA | {"modules_to_save": ["embed_tokens"]}
+    cfg = build_config(small_config_tree(small_assets, tmp_path, sft=SFT, model={"lora": lora}), "t")
+    done = run_sft_stage(make_ctx(tmp_path / "a", "sft"), cfg.model.path, cfg.model, cfg.sft, cfg.data)
+    shutil.copytree(tmp_path / "a" / "sft", tmp_path / "b" / "sft")
+    shutil.rmtree(tmp_path / "b" / "sft" / "step_000006")  # killed right after committing step 4
+    (tmp_path / "b" / "sft" / "final.json").unlink()
+    resumed = run_sft_stage(make_ctx(tmp_path / "b", "sft"), cfg.model.path, cfg.model, cfg.sft, cfg.data)
+    assert resumed.resumed_from == 4
+    for name in ("model/adapter_model.safetensors", "optim/model.rank00000.safetensors"):
+        with open(f"{done.checkpoint_uri}/{name}", "rb") as a, open(f"{resumed.checkpoint_uri}/{name}", "rb") as b:
+            assert a.read() == b.read(), name
+    policy = load_policy(f"{resumed.checkpoint_uri}/model")
+    base = load_policy(cfg.model.path)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight  # still one tensor after merging
+    assert not torch.equal(policy.model.embed_tokens.weight, base.model.embed_tokens.weight)  # and it trained
+
+
 def test_lora_reward_model_stacks_on_the_sft_adapters(lora_sft, small_assets, tmp_path):
     cfg, sft, _ = lora_sft
     sft_dir = f"{sft.checkpoint_uri}/model"
