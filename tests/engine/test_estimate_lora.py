@@ -14,6 +14,7 @@ from rlflow.engine.estimate_memory import GPU_FRAGMENTATION, estimate_dpo_memory
 from rlflow.engine.estimate_model import REFERENCE_SHAPES, LoraShape, load_model_shape
 from rlflow.engine.estimate_time import training_seconds, update_seconds, weight_grad_share
 from rlflow.engine.estimate_workload import PRECISIONS, DPOWorkload, Strategy, Workload
+from test_estimate import workload
 
 ROOT = Path(__file__).parents[2]
 H100 = device_spec(load_price_book(ROOT / "configs" / "prices.yaml"), "h100-80g")
@@ -24,24 +25,8 @@ QKVO = LoraShape(16, ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
 def rl(lora: LoraShape | None = None, shared: bool = False, **changes) -> Workload:
-    base = Workload(
-        actor=LLAMA_8B,
-        critic=LLAMA_8B,
-        reference=LLAMA_8B,
-        reward=LLAMA_8B,
-        rollout_batch=64,
-        prompt_tokens=256,
-        response_tokens=256,
-        mini_batch=32,
-        epochs=1,
-        steps=100,
-        generate_batch=16,
-        precision=BF16,
-        micro_batch_size=2,
-        lora=lora,
-        reference_shared=shared,
-    )
-    return replace(base, **changes)
+    """test_estimate's 8B workload in the torch backend's bf16, with `lora`."""
+    return workload(LLAMA_8B, precision=BF16, lora=lora, reference_shared=shared, **changes)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +107,9 @@ def test_lora_backward_skips_the_frozen_weight_gradients():
 
 def test_lora_plans_stay_on_one_device_and_the_advice_says_why():
     assert len(candidate_plans(rl(QKVO), H100, 8, TORCH)) == 1
-    fits = recommend(rl(QKVO, shared=True), H100, "USD", 8, TORCH)
+    fits = recommend(
+        rl(QKVO, shared=True, prompt_tokens=256, response_tokens=256, micro_batch_size=2), H100, "USD", 8, TORCH
+    )
     assert fits.best is not None and fits.best.strategy == TORCH and "LoRA: 27.27M trainable" in fits.reason
     huge = REFERENCE_SHAPES["Llama-3.1-70B"]
     big = rl(QKVO, shared=True, actor=huge, critic=huge, reference=huge, reward=huge)
