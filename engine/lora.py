@@ -138,16 +138,14 @@ def lora_modules(model: nn.Module, cfg: LoraConfig) -> tuple[list[str], list[str
 def _modules_to_save(model: nn.Module, names: list[str], targets: list[str]) -> list[str]:
     """model.lora.modules_to_save checked against the model: short names of existing modules that
     hold parameters, none of them also a LoRA target. ConfigError otherwise."""
-    present = {
-        name.rsplit(".", 1)[-1]
-        for name, m in model.named_modules()
-        if name and next(m.parameters(False), None) is not None
-    }
-    unknown = [n for n in names if n not in present]
+    held = [name for name, m in model.named_modules() if name and next(m.parameters(False), None) is not None]
+    # peft matches a name against the end of each module's dotted path: embed_tokens, model.embed_tokens
+    unknown = [n for n in names if not any(f == n or f.endswith(f".{n}") for f in held)]
     if unknown:
+        short = sorted({f.rsplit(".", 1)[-1] for f in held})
         raise ConfigError(
             f"model.lora.modules_to_save: {', '.join(unknown)} is not a module with weights of {type(model).__name__};"
-            f" e.g. {', '.join(sorted(present)[:8])}"
+            f" e.g. {', '.join(short[:8])}"
         )
     both = [n for n in names if n in targets]
     if both:

@@ -129,7 +129,7 @@ def lora_shape(config: Config, stage: str) -> LoraShape | None:
     if lora is None:
         return None
     targets = ("all-linear",) if lora.target_modules == "all-linear" else tuple(lora.target_modules)
-    return LoraShape(lora.r, targets, tuple(lora.modules_to_save))
+    return LoraShape(lora.r, targets, tuple(m.rsplit(".", 1)[-1] for m in lora.modules_to_save))  # short names
 
 
 def build_dpo_workload(config: Config, args: argparse.Namespace, precision: Any) -> DPOWorkload:
