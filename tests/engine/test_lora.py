@@ -13,7 +13,6 @@ from safetensors import safe_open
 from conftest import RecordingSink, small_config_tree
 from rlflow.engine.backend import LossParts, OptimSpec, Runtime
 from rlflow.engine.batching import encode_pair, right_pad
-from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import EngineConfig, LoraConfig, build_config
 from rlflow.engine.data import load_sft_examples
 from rlflow.engine.errors import ConfigError
@@ -32,23 +31,14 @@ from rlflow.engine.lora import (
 from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, scalar_head
 from rlflow.engine.reward_model import run_reward_model_stage
 from rlflow.engine.sft import response_token_loss, run_sft_stage
-from rlflow.engine.stage import StageContext
+from test_sft_rm import make_ctx as sft_rm_ctx
 
 LORA = {"r": 4, "alpha": 8.0}
 SFT = {"max_steps": 6, "eval_every": 3, "log_every": 1, "patience": 10, "batch_size": 16, "lr": 1e-2}
 
 
 def make_ctx(root, stage, every=2, sink=None):
-    return StageContext(
-        store=CheckpointStore(f"{root}/{stage}"),
-        stage=stage,
-        round_index=0,
-        seed=0,
-        identity=stage,
-        identity_tree={},
-        every_steps=every,
-        sink=sink or RecordingSink(),
-    )
+    return sft_rm_ctx(root, stage, every=every, sink=sink)  # a checkpoint every 2 steps: resume points
 
 
 def batch(seed=0):
