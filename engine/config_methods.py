@@ -64,7 +64,7 @@ class DPOConfig(Section):
     log_every: int = Field(5, ge=1)
 
 
-RULE_TYPES = ("keyword", "regex", "length", "format", "exact_match")
+RULE_TYPES = ("keyword", "regex", "length", "format", "exact_match", "gym")
 SOURCE_TYPES = ("model", "function", *RULE_TYPES)
 
 
@@ -74,7 +74,10 @@ class RewardSourceConfig(Section):
     model: a learned reward model (`path` null: the round's reward-model stage; else a folder);
     function: `fn` ("module:function", `(prompt, response, **fields) -> float`) with `kwargs`;
     keyword / regex / length / format / exact_match: built-in rules with `kwargs`
-    (engine/reward_rules.py documents each rule's arguments).
+    (engine/reward_rules.py documents each rule's arguments);
+    gym: the prompt row's reasoning-gym verifier (engine/gym_task.py gym_rule).
+    `on_error` overrides reward.on_error for this source; a gym source skips by default (a
+    malformed answer or a verifier's failure scores 0 and is counted, never stops the run).
     """
 
     name: str
@@ -83,6 +86,11 @@ class RewardSourceConfig(Section):
     path: str | None = None  # type model
     fn: str | None = None  # type function
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    on_error: Literal["fail", "skip"] | None = None  # None: reward.on_error (a gym source: skip)
+
+    def error_policy(self, default: str) -> str:
+        """This source's effective on_error, given reward.on_error."""
+        return self.on_error or ("skip" if self.type == "gym" else default)
 
     @field_validator("name")
     @classmethod

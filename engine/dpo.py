@@ -21,7 +21,6 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 from rlflow.engine import dist
 from rlflow.engine.backend import LossParts, OptimSpec, Runtime, TrainEngine
 from rlflow.engine.batching import PromptResponseIds, batch_indices, pack_rows, rank_shard, right_pad
@@ -31,6 +30,7 @@ from rlflow.engine.data import PreferencePair, load_preference_pairs
 from rlflow.engine.dpo_loss import chosen_nll, dpo_loss
 from rlflow.engine.errors import DataError
 from rlflow.engine.faults import fault_point
+from rlflow.engine.lm_head import next_token_logprobs
 from rlflow.engine.lora import lora_metrics
 from rlflow.engine.models import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.reward_model import _pair_rows
@@ -63,14 +63,12 @@ def sequence_logps(
     if packed:
         batch = pack_rows(sequences)
         ids, mask = batch.input_ids.to(device), batch.response_mask.to(device)
-        out = model(input_ids=ids, attention_mask=None, position_ids=batch.position_ids.to(device), use_cache=False)
+        forward = {"attention_mask": None, "position_ids": batch.position_ids.to(device)}
     else:
         ids, attention, mask = (t.to(device) for t in right_pad(sequences, pad_id))
-        out = model(
-            input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention), use_cache=False
-        )
-    # Token t is predicted at position t-1; cross-entropy keeps [B, T-1] instead of a log-softmax [B, T, V].
-    token = -F.cross_entropy(out.logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        forward = {"attention_mask": attention, "position_ids": position_ids_from_mask(attention)}
+    # Token t is predicted at position t-1; the LM head runs in chunks (engine/lm_head.py).
+    token, _ = next_token_logprobs(model, ids, forward | {"use_cache": False}, 1)
     token = token * mask[:, 1:]  # prompt and padding (and a packed row's next prompt) count nothing
     if not packed:
         return token.sum(-1)
@@ -225,7 +223,7 @@ def run_dpo_stage(
         return done
     resume, changed = start_stage(ctx)
     guard = StageGuard(ctx, resume)
-    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code, chat_template=data.chat_template)
     pad = tokenizer.pad_token_id
     train_pairs, eval_pairs = load_dpo_pairs(data, preference_files, include_offline)
     rows = _pair_rows(tokenizer, train_pairs + eval_pairs, cfg.max_seq_tokens)

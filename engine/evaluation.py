@@ -84,7 +84,8 @@ def evaluate_policy(
         chunk = prompts.token_ids[start : start + batch_size]
         batch = generate_rollouts(policy, tokenizer, chunk, sampling, seed + start, **(generate_kwargs or {}))
         rows = len(chunk)
-        logprobs = batched_logprobs(policy, batch, sampling.temperature, chunk=rows)
+        temperature = sampling.temperature or 1.0  # greedy answers: KL of the untempered distributions
+        logprobs = batched_logprobs(policy, batch, temperature, chunk=rows)
         mask = batch.response_mask
         columns = [
             torch.full((rows,), float("nan"))
@@ -92,7 +93,7 @@ def evaluate_policy(
             else normalised_scores(models.reward_model, batch, models.score_norm, rows)
         ]
         for anchor in (models.reference, models.sft):
-            anchor_lp = batched_logprobs(anchor, batch, sampling.temperature, chunk=rows)
+            anchor_lp = batched_logprobs(anchor, batch, temperature, chunk=rows)
             columns.append(masked_mean(kl_penalty(logprobs, anchor_lp, "k3"), mask, dim=1))
         if real:
             per_row.append(torch.stack(columns + [mask.sum(1)], 1))

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rlflow.engine.algos import entropy_from_logits, logprobs_from_logits
 from rlflow.engine.errors import ConfigError
+from rlflow.engine.lm_head import next_token_logprobs
+from rlflow.engine.model_import import check_gguf_file, strip_quantizer
 from torch import nn
 
 try:  # progress bars per checkpoint drown the per-step progress lines
@@ -34,10 +35,14 @@ SCALAR_HEAD_NAMES = ("score", "classifier", "v_head")
 
 
 def resolve_model_path(path: str, key: str = "model.path") -> str:
-    """A local directory as is; a hub id ("org/name") passed through; anything else is an error."""
+    """A local directory or GGUF file as is; a hub id ("org/name") passed through; anything else
+    is an error."""
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
+        if path.endswith(".gguf"):
+            check_gguf_file(path, key)
+            return path
         raise ConfigError(f"{key} {path!r} is a file; point it at a Hugging Face model directory")
     if HUB_ID.match(path) and not path.startswith((".", "/")):
         return path
@@ -47,8 +52,13 @@ def resolve_model_path(path: str, key: str = "model.path") -> str:
 
 
 def _from_pretrained(cls: Any, path: str, key: str, **kwargs: Any) -> Any:
+    """cls.from_pretrained of a directory, a hub id or a GGUF file (dequantised on load)."""
+    path = resolve_model_path(path, key)
+    if os.path.isfile(path):  # a GGUF file: transformers takes its folder and name apart
+        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+        kwargs.pop("use_safetensors", None)
     try:
-        return cls.from_pretrained(resolve_model_path(path, key), **kwargs)
+        return cls.from_pretrained(path, **kwargs)
     except ConfigError:
         raise
     except (OSError, ValueError) as exc:
@@ -56,20 +66,30 @@ def _from_pretrained(cls: Any, path: str, key: str, **kwargs: Any) -> Any:
         raise ConfigError(f"{key} {path!r} could not be loaded: {first}") from None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.path"):
-    """Tokenizer with left padding (batched generation) and a pad token (EOS if it has none)."""
+def load_model_config(path: str, trust_remote_code: bool = False, key: str = "model.path") -> Any:
+    """The transformers config of a directory, a hub id or a GGUF file (read, no weights)."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, path, key, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.path", chat_template: str = "auto"):
+    """Tokenizer with left padding (batched generation), its stop ids and a pad token that is not
+    one of them (engine/tokens.py: EOS only when no other special token exists). chat_template
+    (data.chat_template): "none" drops the tokenizer's template, so prompts are used as written;
+    "auto" keeps it (the pre-flight refuses "auto" for a tokenizer without one)."""
+    from rlflow.engine.tokens import configure_token_roles
     from transformers import AutoTokenizer
 
     tokenizer = _from_pretrained(AutoTokenizer, path, key, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        # Padding is masked out and SFT labels come from lengths, so any real id will do; EOS is
-        # one every causal LM has (adding a token would need an embedding row the model lacks).
-        if tokenizer.eos_token_id is None:
-            raise ConfigError(
-                f"{key} {path!r}: the tokenizer has neither a pad nor an EOS token; every response ends"
-                " with EOS, so set eos_token (and pad_token) in its tokenizer_config.json"
-            )
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"{key} {path!r}: the tokenizer has no EOS token; every response ends with EOS (or the chat"
+            " template's end of turn), so set eos_token in its tokenizer_config.json"
+        )
+    configure_token_roles(tokenizer, path if os.path.isdir(path) else None)
+    if chat_template == "none":
+        tokenizer.chat_template = None
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -173,7 +193,7 @@ def load_policy(
         attn_implementation=resolve_attn_implementation(attn_implementation),
         use_safetensors=True,  # a pickled .bin checkpoint is never loaded
     )
-    return disable_dropout(model)
+    return disable_dropout(strip_quantizer(model))
 
 
 def load_scalar_model(
@@ -207,6 +227,7 @@ def load_scalar_model(
         attn_implementation=resolve_attn_implementation(attn_implementation),
         use_safetensors=True,  # a pickled .bin checkpoint is never loaded
     )
+    strip_quantizer(model)
     head = scalar_head(model)
     head_names = {name for name, p in model.named_parameters() if any(p is q for q in head.parameters())}
     if head_names & set(info["missing_keys"]):
@@ -262,18 +283,10 @@ def token_logprobs(
     """
     device = model_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    # Logits only where a response token is predicted: the vocabulary projection of the prompt
-    # positions is wasted work and memory (a 150k vocabulary makes it ~15% of a 0.5B model's FLOPs).
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=input_ids.shape[1] - response_start + 1,
-    )
-    logits = out.logits[:, :-1].float() / temperature
-    logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
-    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+    # The LM head runs only where a response token is predicted (the prompt positions' vocabulary
+    # projection is wasted work), in chunks (engine/lm_head.py: no [B, T, V] logits).
+    forward = {"attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask)}
+    return next_token_logprobs(model, input_ids, forward | {"use_cache": False}, response_start, temperature, with_entropy)
 
 
 def _per_token_values(
@@ -342,12 +355,17 @@ def model_dir(local_step_dir: str, prefix: str = "model") -> str:
 def model_fingerprint(path: str) -> str:
     """Identity of a starting model: for a local directory, sha256 over its config and, per
     weight file, name, size and the first and last MiB (cheap even at 140 GB, and it changes
-    when the weights do); for a hub id, the id itself (pin a revision by using a local copy)."""
-    if not os.path.isdir(path):
+    when the weights do); a GGUF file the same way as one weight file; for a hub id, the id itself
+    (pin a revision by using a local copy)."""
+    if os.path.isfile(path):
+        folder, names = os.path.split(path)
+    elif os.path.isdir(path):
+        folder, names = path, sorted(os.listdir(path))
+    else:
         return path
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
+    for name in names if isinstance(names, list) else [names]:
+        full = os.path.join(folder, name)
         if not os.path.isfile(full):
             continue
         size = os.path.getsize(full)

@@ -33,12 +33,11 @@ from rlflow.engine.experience import (
     assemble_experience,
     experience_metrics,
     sample_and_score,
-    sampling_params,
     timed,
 )
 from rlflow.engine.faults import fault_point
 from rlflow.engine.models import token_logprobs, token_values
-from rlflow.engine.rollout import RolloutBatch
+from rlflow.engine.rollout import RolloutBatch, SamplingParams
 from rlflow.engine.train_state import step_seed
 
 if TYPE_CHECKING:
@@ -270,13 +269,13 @@ def make_controller(cfg: PPOConfig):
     return make_kl_controller(cfg.kl.controller, cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
 
 
-def run_evaluation(models: PPOModels, prompts: PromptSet, cfg: PPOConfig, seed: int, batch_size: int, n_samples: int):
+def run_evaluation(models: PPOModels, prompts: PromptSet, sampling: SamplingParams, seed: int, batch_size: int, n_samples: int):
     return evaluate_policy(
         models.actor.model,
         models.tokenizer,
         prompts,
         models.scoring,
-        sampling_params(cfg),
+        sampling,
         seed,
         batch_size,
         n_samples,

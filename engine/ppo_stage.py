@@ -71,7 +71,12 @@ class PPOLoopState:
 
 
 def load_ppo_models(
-    inputs: PPOInputs, model_cfg: ModelConfig, cfg: PPOConfig, gold: Callable[..., Any], runtime: Runtime
+    inputs: PPOInputs,
+    model_cfg: ModelConfig,
+    cfg: PPOConfig,
+    gold: Callable[..., Any],
+    runtime: Runtime,
+    chat_template: str = "auto",
 ) -> PPOModels:
     """Actor and critic (if any) as trainable engines (from the round's inputs; a resume then loads
     its checkpoint's state into them), reference, SFT policy and reward model (if any) frozen.
@@ -79,7 +84,7 @@ def load_ppo_models(
     With model.lora the actor and critic train adapters; a reference that is the actor's starting
     policy is then the actor with its adapters off (no second copy of the weights)."""
     kw, lora = model_kwargs(model_cfg), model_cfg.lora_for("ppo")
-    tokenizer = load_tokenizer(inputs.policy, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(inputs.policy, model_cfg.trust_remote_code, chat_template=chat_template)
     view = lora is not None and inputs.reference == inputs.policy
     reference = None if view else runtime.frozen(lambda: load_policy(inputs.reference, **kw))
     reward_model = (
@@ -113,6 +118,7 @@ def load_prompt_sets(tokenizer: Any, data: DataConfig, eval_cfg: EvalConfig, sin
         data.prompts,
     )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
+    records = records[: eval_cfg.curve_prompts or len(records)]  # the curve's fixed subset
     evals, e_trunc, e_drop = encode_prompt_set(
         tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
     )
@@ -143,7 +149,7 @@ def run_ppo_stage(
         return done
     resume, changed = start_stage(ctx)
     guard = StageGuard(ctx, resume)
-    models = load_ppo_models(inputs, model_cfg, cfg, gold, ctx.runtime)
+    models = load_ppo_models(inputs, model_cfg, cfg, gold, ctx.runtime, data.chat_template)
     if model_cfg.lora_for("ppo"):
         for role, engine in (("actor", models.actor), ("critic", models.critic)):
             if engine is not None:
@@ -221,7 +227,7 @@ class PPORun:
         """Same prompts and seed at every evaluation, so steps compare fairly."""
         seed = step_seed(self.ctx.seed, self.ctx.round_index, 7)
         cfg, e = self.cfg, self.eval_cfg
-        return run_evaluation(self.models, self.eval_prompts, cfg, seed, e.batch_size, e.num_logged_samples)
+        return run_evaluation(self.models, self.eval_prompts, e.sampling(cfg), seed, e.batch_size, e.num_logged_samples)
 
     def step(self, step: int, prompts: PromptSet, generate_batch: int, guard: StageGuard) -> tuple[bool, Breach | None]:
         """One PPO step with its evaluation and logging; returns (last step?, breach or None).

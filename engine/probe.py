@@ -137,7 +137,7 @@ def run_probe(
     if runtime.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runtime.device)
     started = time.monotonic()
-    models = load_ppo_models(inputs, config.model, cfg, _no_gold, runtime)
+    models = load_ppo_models(inputs, config.model, cfg, _no_gold, runtime, config.data.chat_template)
     objective = Objective.of(config.algorithm, config.rollout.n)
     pool = start_reward_pool(config.reward)
     try:

@@ -142,7 +142,7 @@ def run_reward_model_stage(
         return done
     resume, changed = start_stage(ctx)
     guard = StageGuard(ctx, resume)
-    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code, chat_template=data.chat_template)
     pad = tokenizer.pad_token_id
 
     def load():

@@ -83,8 +83,10 @@ def combine(scores: SourceScores | Mapping[str, Sequence[float]], weights: Mappi
     return [math.fsum(parts) for parts in zip(*columns)]
 
 
-def _spec(source: RewardSourceConfig) -> dict[str, Any]:
-    return {"name": source.name, "type": source.type, "fn": source.fn, "kwargs": dict(source.kwargs)}
+def _spec(source: RewardSourceConfig, on_error: str) -> dict[str, Any]:
+    """What a worker needs of a source, with its effective error policy (its own, else the pool's)."""
+    policy = source.error_policy(on_error)
+    return {"name": source.name, "type": source.type, "fn": source.fn, "kwargs": dict(source.kwargs), "on_error": policy}
 
 
 def _build_scorer(spec: Mapping[str, Any]) -> Callable[[str, str, Mapping[str, Any]], Any]:
@@ -160,18 +162,18 @@ def _call(scorer: Callable[..., Any], prompt: str, response: str, fields: Mappin
 
 
 def _score_slice(conn: Connection, counter: mmap.mmap, scorers: list, timeout_s: float, job: tuple) -> None:
-    prompts, responses, fields, stop_on_error = job
+    prompts, responses, fields, stop_on_error = job  # stop_on_error: per scorer
     started = _COUNTER.unpack_from(counter)[0]
     chunk, sent_s = [], time.monotonic()
     for prompt, response, extra in zip(prompts, responses, fields):
-        for scorer in scorers:
+        for scorer, stop in zip(scorers, stop_on_error):
             if chunk and time.monotonic() - sent_s >= _FLUSH_S:
                 conn.send(chunk)
                 chunk, sent_s = [], time.monotonic()
             started += 1
             _COUNTER.pack_into(counter, 0, started)
             chunk.append(_call(scorer, prompt, response, extra, timeout_s))
-            if stop_on_error and isinstance(chunk[-1], str):
+            if stop and isinstance(chunk[-1], str):
                 conn.send(chunk)
                 return
     conn.send(chunk)
@@ -301,7 +303,7 @@ class _Batch:
             f"reward source {spec['name']!r} ({what}) failed on sample {index} "
             f"(prompt {prompt[:60]!r}, response {response[:60]!r}): {outcome}"
         )
-        if self.pool.on_error == "fail":
+        if spec["on_error"] == "fail":
             if not self.job.future.done():  # the first failure is the one reported; the rest drain
                 self.job.future.set_exception(RewardSourceError(message))
             return
@@ -343,7 +345,7 @@ class RewardFunctionPool:
             raise ValueError(f"RewardFunctionPool takes function and rule sources, got {[s.type for s in sources]}")
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"need workers >= 1 and timeout_s > 0, got {workers} and {timeout_s}")
-        self._specs = [_spec(s) for s in sources]
+        self._specs = [_spec(s, on_error) for s in sources]
         for spec in self._specs:  # ConfigError here, before any process starts
             _build_scorer(spec)
             if spec["type"] == "function":
@@ -451,7 +453,7 @@ class RewardFunctionPool:
 
     def _score(self, job: _Job) -> SourceScores:
         batch = _Batch(self, job)
-        stop_on_error = self.on_error == "fail"
+        stop_on_error = tuple(spec["on_error"] == "fail" for spec in self._specs)
         pending: dict[Connection, _Slice] = {}
         for slot, (start, stop) in enumerate(_split(len(job.prompts), len(self._workers))):
             # Idle workers (the previous batch drained them): their counters stand still.

@@ -1,4 +1,5 @@
-"""Built-in rule rewards (reward.sources items of type keyword, regex, length, format, exact_match).
+"""Built-in rule rewards (reward.sources items of type keyword, regex, length, format, exact_match,
+and gym: a reasoning-gym verifier, engine/gym_task.py).
 
 Each rule is a builder: called once with the source's `kwargs` (validated there, so a bad config
 fails before any sample is scored), it returns a scorer `(prompt, response, fields) -> float`,
@@ -17,6 +18,7 @@ from decimal import Decimal
 from typing import Any, Callable, Mapping
 
 from rlflow.engine.errors import ConfigError
+from rlflow.engine.gym_task import gym_rule
 
 Scorer = Callable[[str, str, Mapping[str, Any]], float]
 
@@ -218,6 +220,7 @@ RULES: dict[str, Callable[..., Scorer]] = {
     "length": length_rule,
     "format": format_rule,
     "exact_match": exact_match_rule,
+    "gym": gym_rule,
 }
 
 

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from rlflow.engine.batching import left_pad
 from rlflow.engine.models import model_device, sequence_scores, token_logprobs, token_values
+from rlflow.engine.tokens import response_mask_from_ids, stop_token_ids
 from transformers import GenerationConfig
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy (evaluation only; PPO's ratio needs a distribution)
     top_p: float = 1.0
     max_new_tokens: int = 24
 
@@ -45,20 +46,21 @@ class RolloutBatch:
         )
 
 
-def sampling_config(params: SamplingParams, pad_token_id: int, eos_token_id: int, **extra: Any) -> GenerationConfig:
+def sampling_config(
+    params: SamplingParams, pad_token_id: int, eos_token_id: int | Sequence[int], **extra: Any
+) -> GenerationConfig:
     """A complete GenerationConfig: tokens must come from exactly softmax(logits / T), the
     distribution the PPO ratio and the KL penalty are computed against - never from the
-    checkpoint's own settings (a repetition penalty, top_k, a min length...). `extra`: output
-    options (e.g. output_logits for a rollout worker's log-probs)."""
+    checkpoint's own settings (a repetition penalty, top_k, a min length...); temperature 0 is
+    greedy. `eos_token_id`: every stop id. `extra`: output options (e.g. output_logits for a
+    rollout worker's log-probs)."""
+    sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
     return GenerationConfig(
-        do_sample=True,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=0,
+        **(sampling if params.temperature > 0 else {"do_sample": False}),
         max_new_tokens=params.max_new_tokens,
         use_cache=True,
         pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
+        eos_token_id=list(eos_token_id) if isinstance(eos_token_id, Sequence) else eos_token_id,
         **extra,
     )
 
@@ -101,13 +103,6 @@ def pad_responses(parts: Sequence[torch.Tensor], value: float = 0.0) -> torch.Te
     return torch.cat([torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value) for t in parts])
 
 
-def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B, R] ids -> [B, R] float mask: 1 up to and including the first EOS (or all, if none)."""
-    is_eos = (response_ids == eos_id).long()
-    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before each position
-    return (eos_before == 0).float()
-
-
 @torch.no_grad()
 def generate_rollouts(
     policy: torch.nn.Module,
@@ -125,14 +120,14 @@ def generate_rollouts(
     policy.eval()
     torch.manual_seed(seed)
     with blank_generation_config(policy):
-        config = sampling_config(params, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        config = sampling_config(params, tokenizer.pad_token_id, stop_token_ids(tokenizer))
         device = model_device(policy)
         out = policy.generate(
             input_ids=ids.to(device), attention_mask=attention.to(device), generation_config=config, **generate_kwargs
         ).cpu()
     policy.train(was_training)
     response = out[:, ids.shape[1] :]
-    mask = response_mask_from_ids(response, tokenizer.eos_token_id)
+    mask = response_mask_from_ids(response, stop_token_ids(tokenizer))
     response = torch.where(mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
     texts = tuple(tokenizer.batch_decode(response, skip_special_tokens=True))
     return RolloutBatch(

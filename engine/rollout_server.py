@@ -30,7 +30,8 @@ from typing import Any, NamedTuple, NoReturn, final
 
 import torch
 from rlflow.engine.errors import RlflowError
-from rlflow.engine.rollout import RolloutBatch, SamplingParams, batched_logprobs, response_mask_from_ids
+from rlflow.engine.rollout import RolloutBatch, SamplingParams, batched_logprobs
+from rlflow.engine.tokens import response_mask_from_ids, stop_token_ids
 from rlflow.engine.rollout_worker import GenerateRequest, PeerClosed, recv_message, send_message
 from rlflow.engine.weight_sync import SyncCheck, check_weight_sync, iter_buckets, pack_bucket, weights_fingerprint
 
@@ -308,7 +309,7 @@ class RolloutClient:
             params.top_p,
             params.max_new_tokens,
             int(seed),
-            int(self.tokenizer.eos_token_id),
+            list(stop_token_ids(self.tokenizer)),
             int(self.tokenizer.pad_token_id),
         )
         reply, payload = self._request(request.to_json())
@@ -429,18 +430,18 @@ def build_rollout_batch(
     """
     from rlflow.engine.batching import left_pad
 
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad, stops = tokenizer.pad_token_id, stop_token_ids(tokenizer)
     ids, attention = left_pad(prompts, pad)
     width = max(len(r) for r in response_ids)
     response = torch.full((len(response_ids), width), pad, dtype=torch.long)
     for i, row in enumerate(response_ids):
-        if len(row) < max_new_tokens and (not row or row[-1] != eos):
+        if len(row) < max_new_tokens and (not row or row[-1] not in stops):
             raise RolloutWorkerError(
                 f"rollout worker returned a {len(row)}-token response without EOS (max_new_tokens={max_new_tokens});"
                 " the worker's stop condition differs from the trainer's: check the model's eos_token_id"
             )
         response[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
-    mask = response_mask_from_ids(response, eos)
+    mask = response_mask_from_ids(response, stops)
     response = torch.where(mask.bool(), response, torch.full_like(response, pad))
     return RolloutBatch(
         input_ids=torch.cat([ids, response], 1),

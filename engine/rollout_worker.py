@@ -120,7 +120,7 @@ class GenerateRequest:
     top_p: float
     max_new_tokens: int
     seed: int
-    eos_token_id: int
+    stop_token_ids: list[int]  # a response ends at the first of these (EOS, end of turn)
     pad_token_id: int
 
     def to_json(self) -> dict[str, Any]:
@@ -136,13 +136,15 @@ class GenerateRequest:
                 float(data["top_p"]),
                 int(data["max_new_tokens"]),
                 int(data["seed"]),
-                int(data["eos_token_id"]),
+                [int(t) for t in data["stop_token_ids"]],
                 int(data["pad_token_id"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestError(f"malformed generate request ({type(exc).__name__}: {exc})") from None
         if not prompts or not all(prompts) or request.temperature <= 0 or request.max_new_tokens < 1:
             raise RequestError("generate needs non-empty prompts, temperature > 0 and max_new_tokens >= 1")
+        if not request.stop_token_ids:
+            raise RequestError("generate needs at least one stop token id")
         return request
 
 
@@ -207,10 +209,10 @@ class HFBackend:
     def generate(self, request: GenerateRequest) -> GenerateResult:
         from rlflow.engine.algos import logprobs_from_logits
         from rlflow.engine.batching import left_pad
+        from rlflow.engine.tokens import response_mask_from_ids
         from rlflow.engine.rollout import (
             SamplingParams,
             blank_generation_config,
-            response_mask_from_ids,
             sampling_config,
         )
 
@@ -220,14 +222,14 @@ class HFBackend:
         # tokens this sampler actually drew.
         params = SamplingParams(request.temperature, request.top_p, request.max_new_tokens)
         config = sampling_config(
-            params, request.pad_token_id, request.eos_token_id, output_logits=True, return_dict_in_generate=True
+            params, request.pad_token_id, request.stop_token_ids, output_logits=True, return_dict_in_generate=True
         )
         with blank_generation_config(self.model):
             out = self.model.generate(input_ids=ids, attention_mask=attention, generation_config=config)
         response = out.sequences[:, ids.shape[1] :]
         logits = torch.stack(out.logits, 1)[:, : response.shape[1]].float() / request.temperature
         logprobs = logprobs_from_logits(logits, response)
-        keep = response_mask_from_ids(response, request.eos_token_id).bool()
+        keep = response_mask_from_ids(response, request.stop_token_ids).bool()
         return GenerateResult(keep.sum(1).tolist(), response[keep], logprobs[keep])
 
     def begin_update(self) -> None:

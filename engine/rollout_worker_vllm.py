@@ -12,7 +12,7 @@ the public API of vLLM 0.32, listed here so a version bump knows what to re-chec
   generation_config="vllm" ignores the checkpoint's sampling defaults, like the explicit
   GenerationConfig of `generate_rollouts`.
 - `LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)], use_tqdm=False)` with
-  `SamplingParams(temperature, top_p, max_tokens, seed, logprobs=0, stop_token_ids=[eos],
+  `SamplingParams(temperature, top_p, max_tokens, seed, logprobs=0, stop_token_ids=stops,
   detokenize=False)`: logprobs=0 returns the sampled token's log-prob; processed_logprobs makes it
   the log-prob after temperature scaling (the distribution PPO's ratio uses). If a vLLM version
   also folds top-p truncation into processed log-probs, runs with top_p < 1 fail the log-prob
@@ -112,7 +112,7 @@ class VLLMBackend:
                 max_tokens=request.max_new_tokens,
                 seed=row_seed(request.seed, i),
                 logprobs=0,
-                stop_token_ids=[request.eos_token_id],
+                stop_token_ids=list(request.stop_token_ids),
                 detokenize=False,
             )
             for i in range(len(request.prompts))

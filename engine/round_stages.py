@@ -33,7 +33,7 @@ def sample_answer_pairs(
     """(prompt record, answer A, answer B) for `n_prompts` of data.prompts, each answered twice
     by the policy: what a labeller (a function, or raters after `rlflow label export`) compares.
     The prompts and draws are a function of (seed, round)."""
-    tokenizer = load_tokenizer(policy_path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(policy_path, model_cfg.trust_remote_code, chat_template=data.chat_template)
     policy = load_policy(policy_path, model_cfg.dtype, model_cfg.trust_remote_code).eval()
     records = load_prompts(data.prompts, data.storage_options)
     chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, seed, round_index, 6)
@@ -117,7 +117,7 @@ def run_eval_stage(
     if (done := completed_outcome(ctx)) is not None:
         return done
     kw = {"dtype": model_cfg.dtype, "trust_remote_code": model_cfg.trust_remote_code}
-    tokenizer = load_tokenizer(inputs.final_policy, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(inputs.final_policy, model_cfg.trust_remote_code, chat_template=data.chat_template)
     reference = load_policy(inputs.reference, **kw).eval()
     scoring = ScoringModels(
         reward_model=None if inputs.reward_model is None else load_scalar_model(inputs.reward_model, **kw).eval(),

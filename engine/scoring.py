@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -23,6 +24,12 @@ def load_function(ref: str, key: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"{key}: module {module_name!r} has no function {attr!r}")
     return fn
+
+
+def load_bound_function(ref: Any, key: str) -> Callable[..., Any]:
+    """A FunctionRef's function with its kwargs bound (gold.fn with gold.kwargs)."""
+    fn = load_function(ref.fn, key)
+    return functools.partial(fn, **ref.kwargs) if ref.kwargs else fn
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from rlflow.engine.config import DataConfig, ModelConfig, SFTConfig
 from rlflow.engine.data import load_sft_examples
 from rlflow.engine.models import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.faults import fault_point
+from rlflow.engine.lm_head import next_token_logprobs
 from rlflow.engine.stage_guard import StageGuard
 from rlflow.engine.lora import lora_metrics
 from rlflow.engine.stage import (
@@ -53,10 +54,10 @@ def response_token_loss(
     device = model_device(model)
     ids, response_mask, position_ids = ids.to(device), response_mask.to(device), position_ids.to(device)
     attention = attention.to(device) if attention is not None else None
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
-    targets, mask = ids[:, 1:], response_mask[:, 1:]
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, reduction="none")
-    return (nll * mask).sum(), mask.sum()
+    forward = {"attention_mask": attention, "position_ids": position_ids, "use_cache": False}
+    logprobs, _ = next_token_logprobs(model, ids, forward, 1)  # the LM head in chunks (engine/lm_head.py)
+    mask = response_mask[:, 1:]
+    return -(logprobs * mask).sum(), mask.sum()
 
 
 @torch.no_grad()
@@ -90,7 +91,7 @@ def run_sft_stage(
         return done
     resume, changed = start_stage(ctx)
     guard = StageGuard(ctx, resume)
-    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(init_path, model_cfg.trust_remote_code, chat_template=data.chat_template)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.max_steps, cfg.max_grad_norm)
     load = lambda: load_policy(init_path, **model_kwargs(model_cfg))  # noqa: E731
     engine = ctx.runtime.trainable("model", load, optim, lora=model_cfg.lora_for("sft"))

@@ -15,7 +15,14 @@ from rlflow.engine.secrets import secret_strings
 # Exceptions opening or reading a URL can raise that mean "this URL or its options are wrong",
 # not a bug: OSError (missing, forbidden, network), ValueError (unknown scheme, bad URL),
 # ImportError (backend package not installed), TypeError (an option the backend does not take).
-STORAGE_ERRORS = (OSError, ValueError, ImportError, TypeError)
+# botocore's "no credentials found" errors (s3fs lets them through unwrapped) mean the same.
+try:
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = (NoCredentialsError, PartialCredentialsError)
+except ImportError:  # pragma: no cover - no S3 backend installed
+    CREDENTIAL_ERRORS = ()
+STORAGE_ERRORS = (OSError, ValueError, ImportError, TypeError, *CREDENTIAL_ERRORS)
 MASK = "***"
 
 
@@ -39,6 +46,12 @@ def _reason(url: str, exc: BaseException, options_key: str) -> str:
         return (
             f"access to bucket {bucket!r} was refused ({text}); check the credentials ({options_key} or the AWS_*"
             " environment) and their permissions on it"
+        )
+    if isinstance(exc, CREDENTIAL_ERRORS):
+        return (
+            f"no credentials for bucket {bucket!r} were found ({type(exc).__name__}); set AWS_ACCESS_KEY_ID and"
+            f" AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment, give key and secret in {options_key},"
+            " or anon: true there for a public bucket"
         )
     if isinstance(exc, FileNotFoundError) and bucket and "bucket" in text.lower():
         return f"bucket {bucket!r} does not exist ({text}); create it or fix the bucket name in the URL"

@@ -30,7 +30,7 @@ from rlflow.engine.mirror import make_mirror
 from rlflow.engine.experience import Objective
 from rlflow.engine.ppo_stage import PPOInputs, run_ppo_stage
 from rlflow.engine.reward_model import run_reward_model_stage
-from rlflow.engine.scoring import load_function
+from rlflow.engine.scoring import load_bound_function
 from rlflow.engine.sft import run_sft_stage
 from rlflow.engine.stage import StageContext, StageOutcome, set_threads
 from rlflow.engine.errors import NonFiniteUpdates, RewardSourceError, RlflowError, StagePreempted
@@ -119,7 +119,7 @@ def _run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> Stage
         fields = {k: located(k, v) for k, v in call.ppo_inputs.items()}
         norm = call.ppo_inputs["score_norm"]
         inputs = PPOInputs(**{**fields, "score_norm": None if norm is None else tuple(norm)})
-        gold = load_function(config.gold.fn, "gold.fn")
+        gold = load_bound_function(config.gold, "gold.fn")
         return run_ppo_stage(
             ctx,
             inputs,

@@ -1,4 +1,4 @@
-"""`rlflow` command line: run | status | compare | deploy | label | export | doctor | demo-assets.
+"""`rlflow` command line: run | status | compare | deploy | label | export | import-model | data | doctor | demo-assets.
 
 Errors the user can fix (config, data, paths) print one line and exit with code 2; inputs are
 checked before the Prefect server starts, so a typo costs a second, not a server start.
@@ -141,7 +141,7 @@ def command_demo_assets(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlflow.flows import compare, deploy, doctor, estimate, export, labels, probe
+    from rlflow.flows import compare, data, deploy, doctor, estimate, export, import_model, labels, probe
 
     parser = argparse.ArgumentParser(
         prog="rlflow", description="RLHF as a Prefect flow: SFT -> reward model -> PPO rounds."
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run", help="run.name")
     status.add_argument("--root", default="runs", help="run.root of the run (default: runs)")
     status.set_defaults(handler=command_status)
-    for module in (compare, deploy, labels, export, doctor, estimate, probe):
+    for module in (compare, deploy, labels, export, import_model, data, doctor, estimate, probe):
         module.add_parser(sub)
     assets = sub.add_parser("demo-assets", help="write the demo data, tokenizer and tiny model")
     assets.add_argument("dir", nargs="?", help="default: demo_assets (task demo), demo_assets/arith (task arith)")

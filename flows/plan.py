@@ -55,15 +55,24 @@ def plan_stages(config: Config) -> list[PlannedStage]:
 
 
 def with_progress(planned: list[PlannedStage], storage_options: dict[str, Any]) -> list[PlannedStage]:
-    """Each stage's state read from its checkpoint store (a final marker, the last committed step)."""
+    """Each stage's state read from its checkpoint store (a final marker, the last committed step).
+    A store that cannot be read (no credentials, a missing bucket) is a ConfigError naming run.root."""
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+
     out = []
     for p in planned:
         store = CheckpointStore(p.prefix, storage_options)
-        final = store.final()
+        try:
+            final = store.final()
+            latest = None if final is not None else store.latest()
+        except STORAGE_ERRORS as exc:
+            reason = describe_storage_error(p.prefix, exc, storage_options, "run.storage_options")
+            root = p.prefix.rsplit("/round_", 1)[0].rsplit("/", 1)[0]
+            raise ConfigError(f"run.root {root!r} cannot be read: {reason}") from None
         if final is not None:
             state = f"done at step {final['step']}"
         else:
-            latest = store.latest()
             state = "not started" if latest is None else f"at step {latest} (committed)"
         out.append(PlannedStage(p.round_index, p.stage, p.steps, p.prefix, state))
     return out

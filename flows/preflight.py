@@ -49,15 +49,61 @@ def _for_key(key: str, fn: Any, *args: Any) -> Any:
         raise DataError(f"{key}: {exc}") from None
 
 
-def check_prompt_lengths(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
-    """With data.prompt_overflow=drop, a prompt set left empty would fail the label or PPO stage,
-    after SFT and the reward model have trained: tokenizing the prompts now takes a second."""
-    if config.data.prompt_overflow != "drop":
-        return
+def check_model(config: Any) -> None:
+    """The starting model exists, can be trained and saved, and holds a prompt plus a response: a
+    stage that would train for minutes and then fail to write its result is refused now."""
+    import json
+
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.model_import import quantization_problem
+    from rlflow.engine.models import load_model_config, resolve_model_path
+
+    path = resolve_model_path(config.model.init_path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+        if ggufs:
+            raise ConfigError(
+                f"model.path {path!r} holds GGUF file(s) ({', '.join(ggufs)}) but no config.json: set"
+                f" model.gguf_file={ggufs[0]} (dequantised at every load), or convert once with `rlflow import-model"
+                f" {os.path.join(path, ggufs[0])} DEST` and set model.path=DEST"
+            )
+    if os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            problem = quantization_problem(json.load(f))
+        if problem:
+            raise ConfigError(
+                f"model.path {path!r}: {problem}; convert the original GGUF once with `rlflow import-model SRC DEST`"
+                " (a clean safetensors directory) and set model.path=DEST"
+            )
+    hf_config = load_model_config(path, config.model.trust_remote_code)
+    context = getattr(hf_config, "max_position_embeddings", None)
+    wanted = config.data.max_prompt_tokens + config.ppo.max_new_tokens
+    if context is not None and wanted > context:
+        raise ConfigError(
+            f"data.max_prompt_tokens={config.data.max_prompt_tokens} + ppo.max_new_tokens={config.ppo.max_new_tokens}"
+            f" = {wanted} tokens is more than the model's context of {context} (max_position_embeddings of"
+            f" {path!r}); lower one of them"
+        )
+
+
+def check_tokenizer(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
+    """data.chat_template=auto needs a template; with data.prompt_overflow=drop, a prompt set left
+    empty would fail the label or PPO stage after SFT and the reward model have trained:
+    tokenizing the prompts now takes a second."""
+    from rlflow.engine.errors import ConfigError
     from rlflow.engine.evaluation import encode_prompt_set
     from rlflow.engine.models import load_tokenizer
 
-    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+    template = config.data.chat_template
+    tokenizer = load_tokenizer(config.model.init_path, config.model.trust_remote_code, chat_template=template)
+    if template == "auto" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"data.chat_template=auto, but the tokenizer of model.path {config.model.path!r} has no chat template;"
+            " set data.chat_template=none to use prompts as written (a base model), or add a chat_template to its"
+            " tokenizer_config.json"
+        )
+    if config.data.prompt_overflow != "drop":
+        return
     for key, records in prompt_sets.items():
         url = getattr(config.data, key)
         _for_key(f"data.{key}", encode_prompt_set, tokenizer, records, config.data.max_prompt_tokens, "drop", url)
@@ -73,7 +119,7 @@ def check_reward_model_vocabulary(config: Any) -> None:
     from rlflow.engine.models import check_shared_vocabulary, resolve_model_path
 
     path = resolve_model_path(model_location(init, {}), "rm.init")
-    check_shared_vocabulary(config.model.path, path, config.model.trust_remote_code)
+    check_shared_vocabulary(config.model.init_path, path, config.model.trust_remote_code)
 
 
 def check_run_root(config: Any) -> None:
@@ -145,32 +191,36 @@ def check_lora(config: Any) -> None:
         return
     import torch
     from rlflow.engine.lora import lora_modules
-    from rlflow.engine.models import resolve_model_path
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from rlflow.engine.models import load_model_config
+    from transformers import AutoModelForCausalLM
 
     trust = config.model.trust_remote_code
-    hf_config = AutoConfig.from_pretrained(resolve_model_path(config.model.path), trust_remote_code=trust)
+    hf_config = load_model_config(config.model.init_path, trust)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust)
     lora_modules(model, config.model.lora)
 
 
 def check_inputs(config: Any) -> None:
-    """Fail fast on inputs every stage needs: devices, model paths, data files (parsed in full),
-    and where checkpoints go."""
+    """Fail fast on inputs the planned stages need: devices, model paths, data files (parsed in
+    full; SFT and preference files only where a stage reads them), and where checkpoints go."""
     from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
-    from rlflow.engine.models import resolve_model_path
     from rlflow.engine.scoring import load_function
 
     check_devices(config)
     check_backend(config)
-    resolve_model_path(config.model.path)
+    check_model(config)
     d = config.data
-    loaders = {"sft": load_sft_examples, "sft_eval": load_sft_examples}
-    loaders |= {"preferences": load_preference_pairs, "preferences_eval": load_preference_pairs}
-    loaders |= {"prompts": load_prompts, "eval_prompts": load_prompts}
+    loaders = {"prompts": load_prompts, "eval_prompts": load_prompts}
+    reward_model = config.reward.learned and config.algorithm.name != "dpo"
+    if reward_model or config.algorithm.name == "dpo":
+        loaders |= {"preferences": load_preference_pairs, "preferences_eval": load_preference_pairs}
+    if reward_model:  # its score normalisation set comes from data.sft
+        loaders |= {"sft": load_sft_examples}
+    if any(r < config.run.rounds for r in config.sft.rounds):
+        loaders |= {"sft": load_sft_examples, "sft_eval": load_sft_examples}
     loaded = {key: _for_key(f"data.{key}", fn, getattr(d, key), d.storage_options) for key, fn in loaders.items()}
-    check_prompt_lengths(config, {key: loaded[key] for key in ("prompts", "eval_prompts")})
+    check_tokenizer(config, {key: loaded[key] for key in ("prompts", "eval_prompts")})
     check_reward_model_vocabulary(config)
     load_function(config.gold.fn, "gold.fn")
     load_function(config.label.labeller.fn, "label.labeller.fn")

@@ -169,8 +169,8 @@ def run_rounds(
     """All rounds in order, each starting from the last one's policy; summary.json after each,
     and the round's policy registered in the MLflow model registry."""
     planner = RoundPlanner(cfg, parent_run_id)
-    policy: str | StageResult = cfg.model.path
-    sft: str | StageResult = cfg.model.path
+    policy: str | StageResult = cfg.model.init_path
+    sft: str | StageResult = cfg.model.init_path
     labels: list[StageResult] = []
     rows: list[dict[str, Any]] = []
     for r in range(cfg.run.rounds):

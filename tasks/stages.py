@@ -30,7 +30,7 @@ from rlflow.engine.ppo_stage import PPOInputs
 from rlflow.engine.reward_source import FALLBACK_METRIC
 from rlflow.engine.round_stages import EvalInputs, run_eval_stage, run_label_stage
 from rlflow.engine.rollout import SamplingParams
-from rlflow.engine.scoring import load_function
+from rlflow.engine.scoring import load_bound_function, load_function
 from rlflow.engine.stage import StageContext, StageOutcome, set_threads
 from rlflow.engine.worker import NOT_RETRIED, StageCall, make_context, run_stage_call
 from rlflow.tasks.distributed import launch_training_stage
@@ -312,12 +312,14 @@ def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: Stage
         reward_model=None if rm is None else model_location(rm.checkpoint_uri, so),
         score_norm=None if rm is None else score_norm_of(rm),
     )
-    gold = load_function(config.gold.fn, "gold.fn")
+    gold = load_bound_function(config.gold, "gold.fn")
     return _run_tracked(
         config,
         spec,
         None,
-        lambda ctx: run_eval_stage(ctx, eval_inputs, config.model, config.data, config.eval, sampling_of(config), gold),
+        lambda ctx: run_eval_stage(
+            ctx, eval_inputs, config.model, config.data, config.eval, config.eval.sampling(config.ppo), gold
+        ),
     )
 
 

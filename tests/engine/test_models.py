@@ -17,7 +17,8 @@ from rlflow.engine.models import (
     scalar_head,
     sequence_scores,
 )
-from rlflow.engine.rollout import SamplingParams, generate_rollouts, response_mask_from_ids
+from rlflow.engine.rollout import SamplingParams, generate_rollouts
+from rlflow.engine.tokens import response_mask_from_ids
 
 
 def test_position_ids_ignore_left_padding():

@@ -119,7 +119,7 @@ def test_unknown_rule_type_lists_the_valid_ones():
     with pytest.raises(ConfigError) as caught:
         make_rule("regexp", {}, "fmt")
     assert str(caught.value) == (
-        "reward source 'fmt': unknown rule type 'regexp'; valid: keyword, regex, length, format, exact_match"
+        "reward source 'fmt': unknown rule type 'regexp'; valid: keyword, regex, length, format, exact_match, gym"
     )
 
 

@@ -109,6 +109,47 @@ def _long_prompts(c: Case) -> tuple[list[str], str]:
 
 RM_SOURCE = {"name": "rm", "type": "model"}
 
+
+def _model_copy(c: Case, name: str, config_update: dict | None = None, drop_config: bool = False) -> str:
+    """The tiny model copied under the temp dir, its config.json changed or removed."""
+    import shutil
+
+    path = c.tmp / name
+    shutil.copytree(c.model, path)
+    config = json.loads((path / "config.json").read_text())
+    if drop_config:
+        (path / "config.json").unlink()
+    else:
+        (path / "config.json").write_text(json.dumps(config | (config_update or {})))
+    return str(path)
+
+
+def _only_a_gguf(c: Case) -> tuple[list[str], str]:
+    path = _model_copy(c, "gguf-only", drop_config=True)
+    (Path(path) / "model.Q4_1.gguf").write_bytes(b"GGUF" + b"\x00" * 60)
+    return [c.config(model={"path": path})], (
+        f"model.path '{path}' holds GGUF file(s) (model.Q4_1.gguf) but no config.json: set"
+        f" model.gguf_file=model.Q4_1.gguf (dequantised at every load), or convert once with `rlflow import-model"
+        f" {path}/model.Q4_1.gguf DEST` and set model.path=DEST"
+    )
+
+
+def _not_gguf(c: Case) -> tuple[list[str], str]:
+    (c.tmp / "weights.gguf").write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    return [c.config(model={"path": str(c.tmp), "gguf_file": "weights.gguf"})], (
+        f"model.path '{c.tmp}/weights.gguf' is not a GGUF file (it starts with b'PK\\x03\\x04', not b'GGUF'); give a"
+        " .gguf file, a folder holding one, or package:NAME for an installed package that ships one"
+    )
+
+
+def _gguf_quantization_config(c: Case) -> tuple[list[str], str]:
+    path = _model_copy(c, "still-quantised", {"quantization_config": {"quant_method": "gguf"}})
+    return [c.config(model={"path": path})], (
+        f"model.path '{path}': its config.json carries quantization_config {{quant_method: gguf}}, which transformers"
+        " refuses to save after training; convert the original GGUF once with `rlflow import-model SRC DEST` (a"
+        " clean safetensors directory) and set model.path=DEST"
+    )
+
 # name -> (Case -> (argv after "rlflow run", the message after "rlflow: error: "))
 CASES: dict[str, Callable[[Case], tuple[list[str], str]]] = {
     # ---- config
@@ -233,6 +274,24 @@ CASES: dict[str, Callable[[Case], tuple[list[str], str]]] = {
         "model.lora.modules_to_save: embed_token is not a module with weights of LlamaForCausalLM; e.g. down_proj,"
         " embed_tokens, gate_proj, input_layernorm, k_proj, lm_head, norm, o_proj",
     ),
+    "model: a directory holding a GGUF file but no config": _only_a_gguf,
+    "model: model.gguf_file that is not GGUF": _not_gguf,
+    "model: a quantization_config that cannot be saved": _gguf_quantization_config,
+    "model: chat_template auto without a template": lambda c: (
+        c.overridden("data.chat_template=auto")[0],
+        f"data.chat_template=auto, but the tokenizer of model.path '{c.model}' has no chat template; set"
+        " data.chat_template=none to use prompts as written (a base model), or add a chat_template to its"
+        " tokenizer_config.json",
+    ),
+    "model: prompt and response longer than the context": lambda c: (
+        c.overridden("ppo.max_new_tokens=100000000")[0],
+        "data.max_prompt_tokens=32 + ppo.max_new_tokens=100000000 = 100000032 tokens is more than the model's context"
+        f" of 256 (max_position_embeddings of '{c.model}'); lower one of them",
+    ),
+    "reward: a gym source's misspelt argument": lambda c: (
+        [c.config(reward={"sources": [RM_SOURCE, {"name": "g", "type": "gym", "kwargs": {"extrct": "last_number"}}]})],
+        "reward source 'g' (type gym): unknown kwarg 'extrct'; valid: extract, credit",
+    ),
     "model: reward model with another vocabulary": lambda c: (
         [c.config(rm={"init": str(c.other_vocab_model)})],
         (
@@ -326,6 +385,7 @@ def test_process_count_rule_allows_one_device_per_rank():
 # ---- S3 (the moto server): the message names the bucket, never a credential
 
 BAD_KEYS = {"key": "AKIAEXAMPLEBADKEY0000", "secret": SECRET}
+FRESH = {"skip_instance_cache": True}
 
 
 def _s3_cases(bucket: str, options: dict) -> dict[str, tuple[dict, bool, str]]:
@@ -368,6 +428,16 @@ def _s3_cases(bucket: str, options: dict) -> dict[str, tuple[dict, bool, str]]:
                 " exist (The specified bucket does not exist); create it or fix the bucket name in the URL"
             ),
         ),
+        "run.root with no credentials anywhere": (
+            # a fresh s3fs instance: fsspec's cached one holds the session's test keys
+            {"run": {"name": "t", "root": f"{bucket}/bad-inputs-root", "storage_options": options | FRESH}}, "none",
+            (
+                f"run.root '{bucket}/bad-inputs-root' cannot be written: no credentials for bucket"
+                f" '{bucket.removeprefix('s3://')}' were found (NoCredentialsError); set AWS_ACCESS_KEY_ID and"
+                " AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment, give key and secret in"
+                " run.storage_options, or anon: true there for a public bucket"
+            ),
+        ),
         "run.root with refused credentials": (
             {"run": {"name": "t", "root": f"{bucket}/bad-inputs-root", "storage_options": options | BAD_KEYS}}, True,
             (
@@ -393,7 +463,13 @@ def test_s3_errors(name, capsys, tmp_path, small_assets, root, s3_bucket):
     argv = [Case(tmp_path, small_assets, root, tmp_path).config(**sections)]
     with pytest.MonkeyPatch.context() as mp:
         # moto accepts any key unless it authenticates requests: then unknown keys get a 403.
-        mp.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0 if check_credentials else float("inf"))
+        mp.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0 if check_credentials is True else float("inf"))
+        if check_credentials == "none":  # nothing in the environment, and no request to an instance role
+            for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+                mp.delenv(var, raising=False)
+            mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+            mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+            mp.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
         assert_rejected(capsys, root, argv, expected)
     fs.invalidate_cache()
     assert not fs.exists(f"{bucket}/bad-inputs-root")  # nothing written to an S3 run.root either

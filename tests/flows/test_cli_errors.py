@@ -91,3 +91,54 @@ def test_bad_input_gets_one_line_and_exit_2(case, capsys, tmp_path, write_config
     assert err.startswith("rlflow: error: ")
     assert __import__("re").search(pattern, err), err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("manifest.json"))
+
+
+# ---- `rlflow import-model` and `rlflow data gym`: one line, exit 2, nothing written
+
+def _not_gguf(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"\x89PNG not a model")
+    return ["import-model", str(tmp_path / "model.gguf"), str(tmp_path / "out")]
+
+
+REAL_CASES = {
+    "a file that is not GGUF": (
+        _not_gguf,
+        "import source '{t}/model.gguf' is not a GGUF file (it starts with b'\\x89PNG', not b'GGUF'); give a .gguf"
+        " file, a folder holding one, or package:NAME for an installed package that ships one",
+    ),
+    "a package that holds no model file": (
+        lambda t: ["import-model", "package:pytest", str(t / "out")],
+        "package 'pytest' holds no model file (no .gguf in {pytest}); give a .gguf file, or use a Hugging Face"
+        " directory directly as model.path",
+    ),
+    "an unknown gym dataset": (
+        lambda t: ["data", "gym", "chain_summ", "--size", "8", "--out", str(t / "out")],
+        "unknown gym dataset 'chain_summ'; valid: {datasets}",
+    ),
+    "a gym config key the dataset rejects": (
+        lambda t: ["data", "gym", "chain_sum", "--size", "8", "--config", "max_digit=2", "--out", str(t / "out")],
+        "gym dataset 'chain_sum' has no config key 'max_digit'; valid: min_terms, max_terms, min_digits, max_digits,"
+        " allow_negation",
+    ),
+    "a gym config the dataset's own check refuses": (
+        lambda t: ["data", "gym", "chain_sum", "--size", "8", "--config", "min_digits=3", "--config", "max_digits=1",
+                   "--out", str(t / "out")],
+        "gym dataset 'chain_sum' rejects config {'min_digits': 3, 'max_digits': 1}: max_digits must be >= min_digits",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_CASES))
+def test_import_and_gym_bad_inputs(name, capsys, tmp_path):
+    import importlib.util
+
+    from reasoning_gym.factory import DATASETS
+
+    argv, expected = REAL_CASES[name]
+    pytest_folder = importlib.util.find_spec("pytest").submodule_search_locations[0]
+    for key, value in {"{t}": tmp_path, "{pytest}": pytest_folder, "{datasets}": ", ".join(sorted(DATASETS))}.items():
+        expected = expected.replace(key, str(value))
+    assert main(argv(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"rlflow: error: {expected}"
+    assert not (tmp_path / "out").exists()

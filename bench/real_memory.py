@@ -1,0 +1,126 @@
+"""Peak memory at a real vocabulary (SmolLM2-135M, V = 49152, fp32, full fine-tuning), with the
+LM head in chunks (engine/lm_head.py) and with full-width logits, each case in a fresh process.
+
+    .venv/bin/python bench/real_memory.py --model models/smollm2-135m-instruct [--cases sft grpo ppo]
+
+Cases: `sft` one SFT-loss step on 64 x 128 random tokens; `grpo` one GRPO step of 8 prompts x 4
+samples x 32 new tokens (chain_sum prompts, the gym verifier as reward, KL loss to a reference);
+`ppo` one PPO step of 32 prompts x 32 new tokens with a critic started from the policy. Prints a
+JSON line per run and a table of peak RSS (MB) and seconds, chunked vs whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def sft_step(model_dir: str) -> None:
+    from rlflow.engine.backend import LossParts, OptimSpec, Runtime
+    from rlflow.engine.config import EngineConfig
+    from rlflow.engine.models import load_policy
+    from rlflow.engine.sft import response_token_loss
+
+    engine = Runtime(EngineConfig()).trainable("model", lambda: load_policy(model_dir), OptimSpec(1e-6, 0, 0, 0, 1.0))
+    ids = torch.randint(3, 49152, (64, 128), generator=torch.Generator().manual_seed(0))
+    batch = (ids, torch.ones_like(ids), torch.ones_like(ids))
+    engine.train_step([batch], [float(64 * 127)], lambda m, b: LossParts(*response_token_loss(m, *b)))
+
+
+def rl_step(model_dir: str, algorithm: str) -> dict:
+    from rlflow.engine.backend import make_runtime
+    from rlflow.engine.config import EngineConfig, build_config
+    from rlflow.engine.data import load_prompts
+    from rlflow.engine.evaluation import encode_prompt_set
+    from rlflow.engine.experience import Objective
+    from rlflow.engine.gym_task import write_gym_dataset
+    from rlflow.engine.ppo import make_controller, ppo_step
+    from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
+    from rlflow.engine.reward_source import build_reward_source, start_reward_pool
+
+    prompts_n, n = (8, 4) if algorithm == "grpo" else (32, 1)
+    tree = {
+        "model": {"path": model_dir},
+        "algorithm": {"name": algorithm},
+        "rollout": {"n": n, "generate_batch": prompts_n * n},
+        "ppo": {"rollout_batch": prompts_n, "mini_batch": prompts_n, "epochs": 1, "max_new_tokens": 32,
+                "actor_lr": 1e-6, "critic_init": "policy", "stop_kl": None},
+        "reward": {"sources": [{"name": "correct", "type": "gym", "kwargs": {"extract": "last_number"}}]},
+    }
+    cfg = build_config(tree, "bench")
+    runtime = make_runtime(EngineConfig(precision="fp32"))
+    critic = model_dir if algorithm == "ppo" else None
+    models = load_ppo_models(
+        PPOInputs(model_dir, model_dir, model_dir, None, None, critic), cfg.model, cfg.ppo, lambda *a, **k: 0.0, runtime
+    )
+    pool = start_reward_pool(cfg.reward)
+    models.reward = build_reward_source(cfg.reward, models.scoring, None, pool, runtime, cfg.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_gym_dataset("chain_sum", tmp, prompts_n, 1, 0, CHAIN, "last_number")["paths"]
+        records = load_prompts(paths["prompts"])
+    prompts, _, _ = encode_prompt_set(models.tokenizer, records, 96, "truncate", "bench")
+    objective = Objective.of(cfg.algorithm, cfg.rollout.n)
+    try:
+        return ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, prompts_n * n, objective)
+    finally:
+        pool.close()
+
+
+def run_case(case: str, model_dir: str, chunked: bool) -> dict:
+    from rlflow.engine import lm_head
+
+    torch.set_num_threads(2)
+    lm_head.CHUNK_TOKENS = lm_head.CHUNK_TOKENS if chunked else None
+    baseline = peak_rss_mb()
+    started = time.perf_counter()
+    metrics = sft_step(model_dir) if case == "sft" else rl_step(model_dir, case)
+    return {
+        "case": case,
+        "chunked": chunked,
+        "peak_rss_mb": round(peak_rss_mb()),
+        "rss_before_mb": round(baseline),
+        "seconds": round(time.perf_counter() - started, 1),
+        "response_length": None if metrics is None else metrics.get("response_length/mean"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--cases", nargs="*", default=["sft", "grpo", "ppo"], choices=["sft", "grpo", "ppo"])
+    parser.add_argument("--worker", nargs=2, metavar=("CASE", "CHUNKED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(run_case(args.worker[0], args.model, args.worker[1] == "1")), flush=True)
+        return 0
+    rows = []
+    for case in args.cases:
+        for chunked in (True, False):
+            cmd = [sys.executable, __file__, "--model", args.model, "--worker", case, str(int(chunked))]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            row = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(f"\n{'case':6} {'chunked MB':>11} {'whole MB':>9} {'saved MB':>9} {'chunked s':>10} {'whole s':>8}")
+    for case in args.cases:
+        a, b = (next(r for r in rows if r["case"] == case and r["chunked"] is c) for c in (True, False))
+        saved = b["peak_rss_mb"] - a["peak_rss_mb"]
+        print(f"{case:6} {a['peak_rss_mb']:>11} {b['peak_rss_mb']:>9} {saved:>9} {a['seconds']:>10} {b['seconds']:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
