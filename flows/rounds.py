@@ -38,11 +38,18 @@ class RoundPlanner:
 
     def __init__(self, config: Config, parent_run_id: str):
         self.config, self.parent_run_id = config, parent_run_id
-        data = config.data
-        self.fingerprints = {
-            name: fingerprint_file(getattr(data, name), data.storage_options)
-            for name in ("sft", "sft_eval", "preferences", "preferences_eval", "prompts", "eval_prompts")
-        }
+        self._fingerprints: dict[str, str] = {}  # data files, hashed once each, only if a stage reads them
+
+    @property
+    def fingerprints(self) -> dict[str, str]:
+        """sha256 of every data file a planned stage reads, by data.<name>."""
+        return dict(self._fingerprints)
+
+    def fingerprint(self, name: str) -> str:
+        if name not in self._fingerprints:
+            data = self.config.data
+            self._fingerprints[name] = fingerprint_file(getattr(data, name), data.storage_options)
+        return self._fingerprints[name]
 
     def spec(
         self, stage: str, round_index: int, sections: dict[str, Any], inputs: dict[str, str], data: tuple[str, ...]
@@ -55,7 +62,7 @@ class RoundPlanner:
             # rotating must not make a finished stage "changed".
             "config": redact({k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in items}),
             "inputs": inputs,
-            "data": {name: self.fingerprints[name] for name in data},
+            "data": {name: self.fingerprint(name) for name in data},
         }
         if stage in ("label", "ppo", "eval"):  # the stages that encode prompts
             tree["data_options"] = {k: getattr(self.config.data, k) for k in ("max_prompt_tokens", "prompt_overflow")}
