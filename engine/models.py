@@ -286,7 +286,8 @@ def token_logprobs(
     # The LM head runs only where a response token is predicted (the prompt positions' vocabulary
     # projection is wasted work), in chunks (engine/lm_head.py: no [B, T, V] logits).
     forward = {"attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask)}
-    return next_token_logprobs(model, input_ids, forward | {"use_cache": False}, response_start, temperature, with_entropy)
+    forward["use_cache"] = False
+    return next_token_logprobs(model, input_ids, forward, response_start, temperature, with_entropy)
 
 
 def _per_token_values(

@@ -269,7 +269,9 @@ def make_controller(cfg: PPOConfig):
     return make_kl_controller(cfg.kl.controller, cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
 
 
-def run_evaluation(models: PPOModels, prompts: PromptSet, sampling: SamplingParams, seed: int, batch_size: int, n_samples: int):
+def run_evaluation(
+    models: PPOModels, prompts: PromptSet, sampling: SamplingParams, seed: int, batch_size: int, n_samples: int
+):
     return evaluate_policy(
         models.actor.model,
         models.tokenizer,

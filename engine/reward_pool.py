@@ -86,7 +86,8 @@ def combine(scores: SourceScores | Mapping[str, Sequence[float]], weights: Mappi
 def _spec(source: RewardSourceConfig, on_error: str) -> dict[str, Any]:
     """What a worker needs of a source, with its effective error policy (its own, else the pool's)."""
     policy = source.error_policy(on_error)
-    return {"name": source.name, "type": source.type, "fn": source.fn, "kwargs": dict(source.kwargs), "on_error": policy}
+    spec = {"name": source.name, "type": source.type, "fn": source.fn, "kwargs": dict(source.kwargs)}
+    return spec | {"on_error": policy}
 
 
 def _build_scorer(spec: Mapping[str, Any]) -> Callable[[str, str, Mapping[str, Any]], Any]:

@@ -65,7 +65,8 @@ def test_chunked_logprobs_entropy_and_gradients_equal_full_logits(tied, chunk):
 
 
 def test_lora_policy_and_its_adapters_off_reference_chunk_exactly():
-    model = apply_lora(tiny_llama(), LoraConfig(r=4, alpha=8, target_modules="all-linear", modules_to_save=["embed_tokens"]))
+    lora = LoraConfig(r=4, alpha=8, target_modules="all-linear", modules_to_save=["embed_tokens"])
+    model = apply_lora(tiny_llama(), lora)
     with torch.no_grad():  # adapters and the trained embedding copy away from the base
         for name, param in model.named_parameters():
             if param.requires_grad:
