@@ -21,6 +21,9 @@ from torch.utils.checkpoint import checkpoint
 # Positions per chunk of the LM head (1024 x 49152 fp32 logits: 200 MB); None: logits whole. A
 # module constant, read at each call, so a benchmark can compare both in one process.
 CHUNK_TOKENS: int | None = 1024
+# Below this many logits (positions x vocabulary; 4 MB in fp32) the head runs whole, as before:
+# nothing to save, and a tiny model's numbers stay bit for bit what they were.
+MIN_CHUNKED_LOGITS = 2**20
 
 
 def _inner_model(model: nn.Module) -> tuple[nn.Module, Any]:
@@ -139,17 +142,22 @@ def next_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T - start] of tokens input_ids[:, start:] (each predicted at the position
     before it) and, if asked, the entropies there (else None): float32 nats, on the model's device.
-    `chunk_tokens`: CHUNK_TOKENS unless given; None computes the logits whole (also for a model
-    without an output head)."""
-    chunk_tokens = CHUNK_TOKENS if chunk_tokens is _DEFAULT else chunk_tokens
+    `chunk_tokens`: CHUNK_TOKENS unless given (then only from MIN_CHUNKED_LOGITS logits up); None
+    computes the logits whole (also for a model without an output head)."""
     keep = input_ids.shape[1] - start + 1
     targets = input_ids[:, start:]
-    head = output_head(model) if chunk_tokens else None
+    head = output_head(model)
+    if chunk_tokens is _DEFAULT:
+        vocab = getattr(head, "out_features", None) or MIN_CHUNKED_LOGITS
+        chunk_tokens = CHUNK_TOKENS if targets.numel() * vocab >= MIN_CHUNKED_LOGITS else None
+    head = head if chunk_tokens else None
     if head is None:
-        from rlflow.engine.algos import entropy_from_logits, logprobs_from_logits
+        from rlflow.engine.algos import entropy_from_logits
 
         logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=keep).logits[:, :-1].float() / temperature
-        return logprobs_from_logits(logits, targets), (entropy_from_logits(logits) if with_entropy else None)
+        # cross_entropy keeps [B, K] for its backward instead of a log_softmax [B, K, V]
+        logprobs = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        return logprobs, (entropy_from_logits(logits) if with_entropy else None)
     hidden = hidden_before_head(model, head, keep, input_ids=input_ids, **forward_kwargs)[:, :-1]
     inner, context = _inner_model(model)
     softcap = getattr(inner.config, "final_logit_softcapping", None)

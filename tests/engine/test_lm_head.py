@@ -106,12 +106,12 @@ def test_values_and_their_gradients_do_not_depend_on_the_chunking(small_assets):
 
 
 def saved_logit_elements(model, ids, forward, chunk) -> int:
-    """Elements of the vocabulary-wide tensors (last dimension V: logits, log-softmax) that
+    """Elements of the vocabulary-wide tensors (a dimension of V: logits, log-softmax) that
     autograd saves for the backward pass of one log-prob loss; the weights aside."""
     sizes, weights = [], {p.data_ptr() for p in model.parameters()}
 
     def pack(tensor):
-        if tensor.data_ptr() not in weights and tensor.dim() and tensor.shape[-1] == VOCAB:
+        if tensor.data_ptr() not in weights and VOCAB in tensor.shape and tensor.numel() > VOCAB:
             sizes.append(tensor.numel())
         return tensor
 
