@@ -145,12 +145,9 @@ class EvalConfig(Section):
     num_prompts: int = Field(256, ge=1)
     batch_size: int = Field(128, ge=1)
     num_logged_samples: int = Field(12, ge=0)
-    # PPO's evaluations every `every_steps` on the first this many of num_prompts (a curve that
-    # costs less than the before/after evaluation); None: all num_prompts.
+    # PPO's evaluations every `every_steps` on the first this many of num_prompts; None: all.
     curve_prompts: int | None = Field(None, ge=1)
-    # Greedy decoding for every evaluation (before/after and during PPO): one answer per prompt
-    # that does not depend on the seed, as accuracy on a verifiable task is usually reported.
-    greedy: bool = False
+    greedy: bool = False  # greedy decoding in every evaluation (how verifiable-task accuracy is reported)
 
     def sampling(self, ppo: PPOConfig) -> Any:
         """The SamplingParams evaluations use: PPO's, or greedy with PPO's max_new_tokens."""
