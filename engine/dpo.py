@@ -131,7 +131,7 @@ def load_dpo_pairs(
     """(training pairs, clean held-out pairs). Training: data.preferences when `include_offline`,
     plus every file of `preference_files`. Tied pairs (chosen == rejected) carry no preference and
     have a zero gradient: dropped from both."""
-    urls = ([data.preferences] if include_offline else []) + list(preference_files)
+    urls = ([data.preferences] if include_offline and data.preferences else []) + list(preference_files)
     train = [p for url in urls for p in load_preference_pairs(url, data.storage_options) if p.chosen != p.rejected]
     if not train:
         where = ", ".join(urls) if urls else "no files (dpo.include_offline is false and no online pairs were given)"

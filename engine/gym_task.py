@@ -216,3 +216,16 @@ def gym_gold(prompt: str, response: str, extract: str = "answer_tag", **fields: 
         "lenient": float(lenient == 1.0),
         "valid": float(strict is not None),
     }
+
+
+def gym_labeller(
+    prompt: str, answer_a: str, answer_b: str, *, rng: Any = None, extract: str = "answer_tag", **fields: Any
+) -> int | None:
+    """Online label of a pair by the dataset's own verifier (label.labeller): 0 if only answer_a
+    is right (score_answer == 1.0), 1 if only answer_b is, None (a tie, dropped) if both or
+    neither are. Partial credit is not a preference: "closer to the answer" is the verifier's
+    heuristic, not correctness. Takes no noise, so `rng` is unused."""
+    a, b = (gym_gold(prompt, answer, extract, **fields)["score"] for answer in (answer_a, answer_b))
+    if a == b:
+        return None
+    return 0 if a > b else 1

@@ -14,6 +14,7 @@ from rlflow.engine.batching import PromptResponseIds, batch_indices, encode_pair
 from rlflow.engine.config import DataConfig, ModelConfig, RewardModelConfig
 from rlflow.engine.data import PreferencePair, load_preference_pairs, load_sft_examples
 from rlflow.engine.models import load_scalar_model, load_tokenizer, model_kwargs, sequence_scores
+from rlflow.engine.errors import DataError
 from rlflow.engine.faults import fault_point
 from rlflow.engine.stage_guard import StageGuard
 from rlflow.engine.lora import lora_metrics
@@ -34,9 +35,10 @@ def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tenso
     return -F.logsigmoid(chosen_scores - rejected_scores)
 
 
-def _pair_rows(
-    tokenizer, pairs: list[PreferencePair], max_tokens: int
-) -> list[tuple[PromptResponseIds, PromptResponseIds]]:
+PairRow = tuple[PromptResponseIds, PromptResponseIds]  # (chosen, rejected) encoded
+
+
+def _pair_rows(tokenizer, pairs: list[PreferencePair], max_tokens: int) -> list[PairRow]:
     return [
         (
             encode_pair(tokenizer, p.prompt, p.chosen, max_tokens),
@@ -128,6 +130,33 @@ def rm_train_step(engine: TrainEngine, runtime, rows, pad_id: int, batch_size: i
     }
 
 
+def _load_pairs(urls: list[str], data: DataConfig) -> list[PreferencePair]:
+    return [pair for url in urls for pair in load_preference_pairs(url, data.storage_options)]
+
+
+def _stage_pairs(
+    tokenizer, data: DataConfig, extra: tuple[str, ...], held_out: tuple[str, ...], max_tokens: int
+) -> tuple[list[PairRow], dict[str, list[PairRow]]]:
+    """(training pair rows, {accuracy metric: held-out pair rows}); tied held-out pairs carry no
+    label and are dropped."""
+    offline = [data.preferences] if data.preferences else []
+    train_rows = _pair_rows(tokenizer, _load_pairs(offline + list(extra), data), max_tokens)
+    if not train_rows:
+        raise DataError(
+            "the reward model has no preference pairs to train on: data.preferences is null and the online"
+            " labels hold none (see label/pairs); set data.preferences or label.prompts_per_round higher"
+        )
+    urls = {
+        "rm/accuracy": [data.preferences_eval] if data.preferences_eval else [],
+        "rm/accuracy_online": list(held_out),
+    }
+    return train_rows, {
+        key: _pair_rows(tokenizer, [p for p in _load_pairs(u, data) if p.chosen != p.rejected], max_tokens)
+        for key, u in urls.items()
+        if u
+    }
+
+
 def run_reward_model_stage(
     ctx: StageContext,
     init_path: str,
@@ -135,9 +164,11 @@ def run_reward_model_stage(
     cfg: RewardModelConfig,
     data: DataConfig,
     extra_preferences: tuple[str, ...] = (),
+    eval_preferences: tuple[str, ...] = (),
 ) -> StageOutcome:
-    """Train on data.preferences plus `extra_preferences` (online-labelled JSONL URIs); measure
-    accuracy on data.preferences_eval (clean gold labels)."""
+    """Train on data.preferences (when set) plus `extra_preferences` (online-labelled JSONL URIs);
+    measure accuracy on data.preferences_eval (clean gold labels: rm/accuracy) and on
+    `eval_preferences` (held-out online labels of the policy's own answers: rm/accuracy_online)."""
     if (done := completed_outcome(ctx)) is not None:
         return done
     resume, changed = start_stage(ctx)
@@ -150,14 +181,7 @@ def run_reward_model_stage(
         model.config.pad_token_id = pad
         return model
 
-    pairs = list(load_preference_pairs(data.preferences, data.storage_options))
-    for url in extra_preferences:
-        pairs += load_preference_pairs(url, data.storage_options)
-    train_rows = _pair_rows(tokenizer, pairs, cfg.max_seq_tokens)
-    eval_pairs = [
-        p for p in load_preference_pairs(data.preferences_eval, data.storage_options) if p.chosen != p.rejected
-    ]
-    eval_rows = _pair_rows(tokenizer, eval_pairs, cfg.max_seq_tokens)  # tied pairs carry no label: dropped
+    train_rows, eval_sets = _stage_pairs(tokenizer, data, extra_preferences, eval_preferences, cfg.max_seq_tokens)
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, total_steps, cfg.max_grad_norm)
     engine = ctx.runtime.trainable("model", load, optim, lora=model_cfg.lora_for("rm"))
@@ -181,7 +205,7 @@ def run_reward_model_stage(
             last = step == total_steps
             if step % cfg.log_every == 0 or last:
                 if last:
-                    metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
+                    metrics |= {k: pairwise_accuracy(engine.forward, rows, pad) for k, rows in eval_sets.items()}
                 ctx.sink.log_metrics(metrics, step)
             guard.end(step)
             if guard.checkpoint_due(step, last):
@@ -202,9 +226,9 @@ def run_reward_model_stage(
                     should_consolidate(ctx, step, last),
                 )
                 guard.after_checkpoint(step, url)
-    if "rm/accuracy" not in metrics:  # resumed exactly at the last step
-        metrics["rm/accuracy"] = pairwise_accuracy(engine.forward, eval_rows, pad)
+    if "rm/loss" not in metrics:  # resumed exactly at the last step
+        metrics |= {k: pairwise_accuracy(engine.forward, rows, pad) for k, rows in eval_sets.items()}
     metrics["rm/score_mean"], metrics["rm/score_std"] = ctx.store.manifest(step)["meta"]["score_norm"]
-    keep = ("rm/loss", "rm/accuracy", "rm/score_mean", "rm/score_std")
+    keep = ("rm/loss", "rm/accuracy", "rm/accuracy_online", "rm/score_mean", "rm/score_std")
     summary = {k: metrics[k] for k in keep if k in metrics} | {"rm/pairs": len(train_rows)}
     return finish(ctx, step, summary, resume, changed)

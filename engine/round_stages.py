@@ -18,6 +18,7 @@ from rlflow.engine.stage import StageContext, StageOutcome, completed_outcome, f
 from rlflow.engine.train_state import step_seed
 
 PAIRS_FILE = "pairs.jsonl"
+PAIRS_EVAL_FILE = "pairs_eval.jsonl"  # held out of reward-model training (label.eval_fraction)
 RESULTS_FILE = "results.json"
 
 
@@ -65,10 +66,12 @@ def run_label_stage(
     labeller: Callable[..., Any],
     labeller_kwargs: dict[str, Any],
     n_prompts: int,
+    eval_fraction: float = 0.0,
 ) -> StageOutcome:
     """The current policy answers `n_prompts` prompts twice; the labeller picks one (ties dropped).
 
-    Writes the labelled pairs as `pairs.jsonl` (prompt, chosen, rejected) in the stage's step 0.
+    Writes the labelled pairs (prompt, chosen, rejected) in the stage's step 0: `pairs.jsonl` for
+    training and, with `eval_fraction` > 0, that share of them as `pairs_eval.jsonl` instead.
     """
     if (done := completed_outcome(ctx)) is not None:
         return done
@@ -85,12 +88,25 @@ def run_label_stage(
             continue
         chosen, rejected = (a, b) if choice == 0 else (b, a)
         rows.append({"prompt": record.prompt, "chosen": chosen, "rejected": rejected})
+    # Its own stream: the labeller's draws (and so the pairs) do not depend on the split.
+    split = random.Random(step_seed(ctx.seed, ctx.round_index, 11))
+    held = set(split.sample(range(len(rows)), round(len(rows) * eval_fraction)))
+    train = [row for i, row in enumerate(rows) if i not in held]
+    held_out = [row for i, row in enumerate(rows) if i in held]
     with ctx.store.writer(0) as writer:
-        writer.write_bytes(PAIRS_FILE, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        writer.write_bytes(PAIRS_FILE, _jsonl(train))
+        if eval_fraction > 0:
+            writer.write_bytes(PAIRS_EVAL_FILE, _jsonl(held_out))
         writer.meta["identity"] = ctx.identity
-    metrics = {"label/pairs": float(len(rows)), "label/ties_dropped": float(ties), "label/empty_dropped": float(empty)}
+    metrics = {"label/pairs": float(len(train)), "label/ties_dropped": float(ties), "label/empty_dropped": float(empty)}
+    if eval_fraction > 0:
+        metrics["label/pairs_eval"] = float(len(held_out))
     ctx.sink.log_metrics(metrics, 0)
     return finish(ctx, 0, metrics, None)
+
+
+def _jsonl(rows: list[dict[str, str]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
 @dataclass(frozen=True)

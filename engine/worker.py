@@ -53,6 +53,7 @@ class StageCall:
     identity_tree: dict[str, Any]
     init_path: str = ""  # sft, rm, dpo: the model to start from (a directory or a committed step URI)
     extra_preferences: tuple[str, ...] = ()  # rm, dpo: online-labelled pairs
+    eval_preferences: tuple[str, ...] = ()  # rm: held-out online-labelled pairs (label.eval_fraction)
     reference_path: str = ""  # dpo: the frozen reference policy (a directory or a committed step URI)
     ppo_inputs: dict[str, Any] = field(default_factory=dict)  # ppo: PPOInputs fields (step URIs allowed)
     rollout_devices: str | None = None  # ppo: CUDA_VISIBLE_DEVICES of the rollout worker (placement.rollout)
@@ -107,7 +108,9 @@ def _run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> Stage
         return run_sft_stage(ctx, model_location(call.init_path, so), config.model, config.sft, config.data)
     if call.stage == "rm":
         init = model_location(call.init_path, so)
-        return run_reward_model_stage(ctx, init, config.model, config.rm, config.data, call.extra_preferences)
+        return run_reward_model_stage(
+            ctx, init, config.model, config.rm, config.data, call.extra_preferences, call.eval_preferences
+        )
     if call.stage == "dpo":
         init, reference = model_location(call.init_path, so), model_location(call.reference_path, so)
         dpo = config.dpo
@@ -159,8 +162,8 @@ def main(spec_url: str) -> None:
         spec = json.load(f)
     config = build_config(merge_trees(spec["config"], secrets), spec_url)
     fields = spec["call"]
-    extra, overrides = tuple(fields["extra_preferences"]), StageOverrides(**fields.get("overrides") or {})
-    call = StageCall(**{**fields, "extra_preferences": extra, "overrides": overrides})
+    pairs = {k: tuple(fields.get(k) or ()) for k in ("extra_preferences", "eval_preferences")}
+    call = StageCall(**{**fields, **pairs, "overrides": StageOverrides(**fields.get("overrides") or {})})
     set_threads(int(os.environ.get("OMP_NUM_THREADS") or config.run.threads))
     main_rank = int(os.environ.get("RANK", "0")) == 0  # the process group does not exist yet
     ctx = make_context(config, call, EventSink() if main_rank else NullSink())

@@ -104,7 +104,9 @@ def preference_pairs(config: Config, pairs: int | None) -> tuple[int, int]:
     pairs of data.preferences_eval."""
     from rlflow.engine.data import load_preference_pairs
 
-    def count(url: str, key: str) -> int:
+    def count(url: str | None, key: str) -> int:
+        if url is None:  # the config names no such file
+            return 0
         try:
             return sum(p.chosen != p.rejected for p in load_preference_pairs(url, config.data.storage_options))
         except (RlflowError, OSError) as exc:

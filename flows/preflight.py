@@ -201,6 +201,28 @@ def check_lora(config: Any) -> None:
     lora_modules(model, config.model.lora)
 
 
+def check_preference_sources(config: Any, reward_model: bool) -> None:
+    """A reward model or DPO with nothing to train on, or a reward model with no held-out pairs
+    to measure it on, is refused before any stage runs."""
+    from rlflow.engine.errors import ConfigError
+
+    d, label = config.data, config.label
+    every_round = label.online_from_round == 0  # every round's reward model (or DPO) then has fresh pairs
+    learner = "the reward model" if reward_model else "DPO"
+    if (reward_model or config.algorithm.name == "dpo") and d.preferences is None and not every_round:
+        raise ConfigError(
+            f"data.preferences is null and label.online_from_round={label.online_from_round}: {learner} of round 0"
+            " has no pairs to train on; name a preference file or set label.online_from_round=0"
+        )
+    if config.algorithm.name == "dpo" and d.preferences_eval is None:
+        raise ConfigError("data.preferences_eval is null: DPO measures its held-out accuracy on it; name a file")
+    if reward_model and d.preferences_eval is None and not (every_round and label.eval_fraction > 0):
+        raise ConfigError(
+            "data.preferences_eval is null: the reward model would have no held-out pairs to measure its accuracy"
+            " on; name a file, or set label.online_from_round=0 and label.eval_fraction (e.g. 0.2)"
+        )
+
+
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs the planned stages need: devices, model paths, data files (parsed in
     full; SFT and preference files only where a stage reads them), and where checkpoints go."""
@@ -219,7 +241,9 @@ def check_inputs(config: Any) -> None:
         loaders |= {"sft": load_sft_examples}
     if any(r < config.run.rounds for r in config.sft.rounds):
         loaders |= {"sft": load_sft_examples, "sft_eval": load_sft_examples}
+    loaders = {key: fn for key, fn in loaders.items() if getattr(d, key) is not None}
     loaded = {key: _for_key(f"data.{key}", fn, getattr(d, key), d.storage_options) for key, fn in loaders.items()}
+    check_preference_sources(config, reward_model)
     check_tokenizer(config, {key: loaded[key] for key in ("prompts", "eval_prompts")})
     check_reward_model_vocabulary(config)
     load_function(config.gold.fn, "gold.fn")

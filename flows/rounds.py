@@ -15,7 +15,7 @@ from fsspec.core import url_to_fs
 from rlflow.engine.config import Config
 from rlflow.engine.data import fingerprint_file
 from rlflow.engine.models import model_fingerprint
-from rlflow.engine.round_stages import PAIRS_FILE
+from rlflow.engine.round_stages import PAIRS_EVAL_FILE, PAIRS_FILE
 from rlflow.engine.secrets import redact
 from rlflow.engine.stage import compute_identity
 from rlflow.flows.breach import settle_breaches
@@ -48,7 +48,8 @@ class RoundPlanner:
     def fingerprint(self, name: str) -> str:
         if name not in self._fingerprints:
             data = self.config.data
-            self._fingerprints[name] = fingerprint_file(getattr(data, name), data.storage_options)
+            url = getattr(data, name)  # None: the config names no such file (data.preferences: null)
+            self._fingerprints[name] = "none" if url is None else fingerprint_file(url, data.storage_options)
         return self._fingerprints[name]
 
     def spec(
@@ -125,7 +126,7 @@ def run_round(
         spec = planner.spec(
             "label",
             r,
-            {"label": c.label.model_dump(exclude={"human_inbox"}), "ppo_sampling": _sampling(c)},
+            {"label": _label_section(c), "ppo_sampling": _sampling(c)},
             {"policy": _input_id(policy)},
             ("prompts",),
         )
@@ -224,7 +225,14 @@ def reward_model_stage(
         ("preferences", "preferences_eval", "sft"),
     )
     online = [f"{l.checkpoint_uri}/{PAIRS_FILE}" for l in labels if l.metrics.get("label/pairs", 0) > 0]
-    return run_stage(rm_task, c, rm_spec, _uri(rm_init), online + list(human))
+    held_out = [f"{l.checkpoint_uri}/{PAIRS_EVAL_FILE}" for l in labels if l.metrics.get("label/pairs_eval", 0) > 0]
+    return run_stage(rm_task, c, rm_spec, _uri(rm_init), online + list(human), held_out)
+
+
+def _label_section(c: Config) -> dict[str, Any]:
+    """The label keys in the label stage's identity; eval_fraction only when set, so runs from
+    before it existed keep their identities."""
+    return c.label.model_dump(exclude={"human_inbox"} | (set() if c.label.eval_fraction else {"eval_fraction"}))
 
 
 def model_section_of(c: Config) -> dict[str, Any]:
@@ -257,6 +265,7 @@ def _summary_row(r: int, rm: StageResult | None, evaluation: StageResult) -> dic
     return {
         "round": r,
         "rm_accuracy": None if rm is None else rm.metrics.get("rm/accuracy"),
+        "rm_accuracy_online": None if rm is None else rm.metrics.get("rm/accuracy_online"),
         "gold_score_before": m["gold_score_before"],
         "gold_score_after": m["gold_score_after"],
         "gold_score_stderr": m["gold_score_stderr_after"],

@@ -38,7 +38,7 @@ from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
 
 PROGRESS_KEYS = {
     "sft": ("sft/loss", "sft/eval_loss", "sft/lr"),
-    "rm": ("rm/loss", "rm/train_accuracy", "rm/accuracy"),
+    "rm": ("rm/loss", "rm/train_accuracy", "rm/accuracy", "rm/accuracy_online"),
     "ppo": (
         "critic/score/mean",
         "actor/kl",
@@ -233,14 +233,25 @@ def label_task(config: Config, spec: StageSpec, policy_uri: str) -> StageResult:
             labeller,
             config.label.labeller.kwargs,
             config.label.prompts_per_round,
+            config.label.eval_fraction,
         ),
     )
 
 
 @task(name="rm", **STAGE_TASK)
-def rm_task(config: Config, spec: StageSpec, init_uri: str, preference_files: list[str]) -> StageResult:
-    """`preference_files`: JSONL of pairs besides data.preferences (online labels, human labels)."""
-    return _run_tracked(config, spec, None, init_path=init_uri, extra_preferences=tuple(preference_files))
+def rm_task(
+    config: Config, spec: StageSpec, init_uri: str, preference_files: list[str], eval_files: list[str] = ()
+) -> StageResult:
+    """`preference_files`: JSONL of pairs besides data.preferences (online labels, human labels);
+    `eval_files`: held-out online labels (rm/accuracy_online)."""
+    return _run_tracked(
+        config,
+        spec,
+        None,
+        init_path=init_uri,
+        extra_preferences=tuple(preference_files),
+        eval_preferences=tuple(eval_files),
+    )
 
 
 @task(name="dpo", **STAGE_TASK)

@@ -8,7 +8,7 @@ import pytest
 from rlflow.engine.config_methods import RewardSourceConfig
 from rlflow.engine.data import load_prompts
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.gym_task import extract_answer, gym_gold, write_gym_dataset
+from rlflow.engine.gym_task import extract_answer, gym_gold, gym_labeller, write_gym_dataset
 from rlflow.engine.reward_pool import RewardFunctionPool
 
 CHAIN = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
@@ -55,6 +55,18 @@ def test_gold_counts_only_full_credit_as_accurate(gym_files):
     assert untagged == {"score": 0.0, "mean_score": 0.0, "lenient": 1.0, "valid": 0.0}
     strict_number = gym_gold(row.prompt, f"The total is {answer}", extract="last_number", **row.fields)
     assert strict_number["score"] == 1.0
+
+
+def test_the_labeller_prefers_the_right_answer_and_ties_the_rest(gym_files):
+    row = gym_files[2][1]
+    answer = row.fields["answer"]
+    right, wrong = f"<answer>{answer}</answer>", f"<answer>{answer}1</answer>"  # wrong scores partial credit
+    label = lambda a, b: gym_labeller(row.prompt, a, b, **row.fields)  # noqa: E731
+    assert (label(right, wrong), label(wrong, right)) == (0, 1)
+    assert label(right, f"so <answer>{answer}</answer>") is None  # both right
+    assert label(wrong, "no tags") is None  # both wrong, whatever the partial credit
+    off_by_one = f"= {int(answer) + 1}"
+    assert gym_labeller(row.prompt, f"= {answer}", off_by_one, extract="last_number", **row.fields) == 0
 
 
 def gym_source(**extra):

@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from conftest import RecordingSink, small_config_tree
+from rlflow.engine.batching import encode_pair
 from rlflow.engine.checkpoint import CheckpointStore
 from rlflow.engine.config import build_config
+from rlflow.engine.data import load_preference_pairs
+from rlflow.engine.demo_task import gold_score, noisy_gold_labeller
 from rlflow.engine.errors import CheckpointError
-from rlflow.engine.models import load_policy, load_scalar_model
+from rlflow.engine.models import load_policy, load_scalar_model, load_tokenizer, sequence_scores
 from rlflow.engine.reward_model import bradley_terry_loss, run_reward_model_stage
+from rlflow.engine.rollout import SamplingParams
+from rlflow.engine.round_stages import PAIRS_EVAL_FILE, PAIRS_FILE, run_label_stage
 from rlflow.engine.sft import run_sft_stage
 from rlflow.engine.stage import StageContext
 
@@ -108,6 +113,48 @@ def test_reward_model_learns_preferences(trained, small_assets, tmp_path):
         k for k in after if k in before and torch.equal(before[k], after[k]) and after[k].dtype.is_floating_point
     ]
     assert unchanged == []
+
+
+def test_online_labels_alone_train_a_reward_model_measured_on_held_out_pairs(trained, small_assets, tmp_path):
+    sft_dir = trained[0]
+    tree = small_config_tree(small_assets, tmp_path, data={"preferences": None, "preferences_eval": None})
+    cfg = build_config(tree, "t")
+    sampling = SamplingParams(1.0, 1.0, 12)
+
+    def label(root, fraction):
+        ctx = make_ctx(root, "label")
+        labeller, kwargs = noisy_gold_labeller, {"noise": 0.0}
+        outcome = run_label_stage(ctx, sft_dir, cfg.model, cfg.data, sampling, labeller, kwargs, 96, fraction)
+        return outcome, f"{outcome.checkpoint_uri}/{PAIRS_FILE}", f"{outcome.checkpoint_uri}/{PAIRS_EVAL_FILE}"
+
+    split, train_url, eval_url = label(tmp_path / "split", 0.25)
+    whole, whole_url, _ = label(tmp_path / "whole", 0.0)
+    train, held = load_preference_pairs(train_url), load_preference_pairs(eval_url)
+    assert (split.metrics["label/pairs"], split.metrics["label/pairs_eval"]) == (len(train), len(held))
+    assert len(held) == round(0.25 * (len(train) + len(held))) and len(held) >= 5
+    # The split takes its draws from its own stream: the same pairs as without it, just divided.
+    as_tuples = lambda pairs: sorted((p.prompt, p.chosen, p.rejected) for p in pairs)  # noqa: E731
+    assert as_tuples(train + held) == as_tuples(load_preference_pairs(whole_url))
+    assert "label/pairs_eval" not in whole.metrics
+    assert all(gold_score(p.prompt, p.chosen)["score"] > gold_score(p.prompt, p.rejected)["score"] for p in held)
+
+    outcome = run_reward_model_stage(
+        make_ctx(tmp_path, "rm"), sft_dir, cfg.model, cfg.rm, cfg.data, (train_url,), (eval_url,)
+    )
+    assert "rm/accuracy" not in outcome.metrics and outcome.metrics["rm/pairs"] == len(train)
+    # Recomputed from the saved reward model: the share of held-out pairs it orders as labelled.
+    model = load_scalar_model(f"{outcome.checkpoint_uri}/model").eval()
+    tokenizer = load_tokenizer(sft_dir, chat_template="none")
+    scores = lambda prompt, answer: float(sequence_scores(model, *encoded(tokenizer, prompt, answer)))  # noqa: E731
+    with torch.no_grad():
+        right = sum(scores(p.prompt, p.chosen) > scores(p.prompt, p.rejected) for p in held)
+    assert outcome.metrics["rm/accuracy_online"] == pytest.approx(right / len(held))
+
+
+def encoded(tokenizer, prompt, answer):
+    row = encode_pair(tokenizer, prompt, answer, 128)  # one row, unpadded: no batching involved
+    ids = torch.tensor([row.prompt + row.response])
+    return ids, torch.ones_like(ids)
 
 
 def test_sft_checkpoints_through_s3_and_resumes_from_there(small_assets, s3_bucket, tmp_path):

@@ -288,6 +288,16 @@ CASES: dict[str, Callable[[Case], tuple[list[str], str]]] = {
         "data.max_prompt_tokens=32 + ppo.max_new_tokens=100000000 = 100000032 tokens is more than the model's context"
         f" of 256 (max_position_embeddings of '{c.model}'); lower one of them",
     ),
+    "data: a reward model with no pairs to train on": lambda c: (
+        [c.config(data={"preferences": None}, label={"online_from_round": None})],
+        "data.preferences is null and label.online_from_round=None: the reward model of round 0 has no pairs to"
+        " train on; name a preference file or set label.online_from_round=0",
+    ),
+    "data: a reward model with no held-out pairs": lambda c: (
+        [c.config(data={"preferences_eval": None}, label={"online_from_round": 0})],
+        "data.preferences_eval is null: the reward model would have no held-out pairs to measure its accuracy on;"
+        " name a file, or set label.online_from_round=0 and label.eval_fraction (e.g. 0.2)",
+    ),
     "reward: a gym source's misspelt argument": lambda c: (
         [c.config(reward={"sources": [RM_SOURCE, {"name": "g", "type": "gym", "kwargs": {"extrct": "last_number"}}]})],
         "reward source 'g' (type gym): unknown kwarg 'extrct'; valid: extract, credit",
