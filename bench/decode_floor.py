@@ -8,7 +8,8 @@ tokens; the demo prompts, as written), fp32, 2 threads, each figure the median o
   floor         weight bytes / bandwidth: one decode step must read every weight once
   bare_forward  one cached forward of the batch (DynamicCache), no sampling: the per-step cost of the
                 library, mostly 30 layers x (norm, attention, MLP) kernel launches at batch 8
-  rlflow        engine.rollout.generate_rollouts (HF generate, sampling), per decode step after prefill
+  rlflow        engine.rollout.generate_rollouts (engine/decode.py's own layer loop, sampling; its
+                per-call weight reorder counted), per decode step after prefill
   hf_static     HF generate with cache_implementation="static"
   manual_loop   a plain Python loop over cached forwards with the same sampling
   compiled      (--compile) the same loop over a StaticCache, its one-token step torch.compile'd once
@@ -157,7 +158,10 @@ def main() -> int:
         bare_step = timed(bare, args.reps * 5)
         reference = hf(greedy=True)
         variants = {
-            "rlflow": (lambda: generate_rollouts(model, tokenizer, prompts, SamplingParams(1.0, 1.0, new), 0), None),
+            "rlflow": (
+                lambda: generate_rollouts(model, tokenizer, prompts, SamplingParams(1.0, 1.0, new), 0),
+                generate_rollouts(model, tokenizer, prompts, SamplingParams(0.0, 1.0, new), 0).response_ids,
+            ),
             "hf_dynamic": (lambda: hf(False), reference),
             "hf_static": (lambda: hf(False, cache_implementation="static"), hf(True, cache_implementation="static")),
             "manual_loop": (

@@ -23,6 +23,7 @@ import torch
 from rlflow.engine import dist
 from rlflow.engine.batching import micro_batch_groups
 from rlflow.engine.config import EngineConfig, LoraConfig
+from rlflow.engine.cpu_memory import keep_freed_memory
 from rlflow.engine.lora import apply_lora, is_lora_model, merged_named_parameters
 from rlflow.engine.optim_state import ParamState, ShardReader
 from rlflow.engine.train_state import adam_step_tensor, make_optimizer, make_schedule
@@ -267,6 +268,8 @@ class Runtime:
 
 def make_runtime(cfg: EngineConfig) -> Runtime:
     """The runtime for this process: torch, or DeepSpeed (imported only when asked for)."""
+    if not torch.cuda.is_available():  # a CPU process: every step's allocations stay in the heap
+        keep_freed_memory()
     if cfg.backend == "deepspeed":
         from rlflow.engine.deepspeed_backend import DeepSpeedRuntime
 

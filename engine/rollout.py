@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from rlflow.engine.batching import left_pad
-from rlflow.engine.models import model_device, sequence_scores, token_logprobs, token_values
+from rlflow.engine.decode import Decoded, decode
+from rlflow.engine.models import sequence_scores, token_logprobs, token_values
 from rlflow.engine.tokens import response_mask_from_ids, stop_token_ids
-from transformers import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -46,36 +44,6 @@ class RolloutBatch:
         )
 
 
-def sampling_config(
-    params: SamplingParams, pad_token_id: int, eos_token_id: int | Sequence[int], **extra: Any
-) -> GenerationConfig:
-    """A complete GenerationConfig: tokens must come from exactly softmax(logits / T), the
-    distribution the PPO ratio and the KL penalty are computed against - never from the
-    checkpoint's own settings (a repetition penalty, top_k, a min length...); temperature 0 is
-    greedy. `eos_token_id`: every stop id. `extra`: output options (e.g. output_logits for a
-    rollout worker's log-probs)."""
-    sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-    return GenerationConfig(
-        **(sampling if params.temperature > 0 else {"do_sample": False}),
-        max_new_tokens=params.max_new_tokens,
-        use_cache=True,
-        pad_token_id=pad_token_id,
-        eos_token_id=list(eos_token_id) if isinstance(eos_token_id, Sequence) else eos_token_id,
-        **extra,
-    )
-
-
-@contextlib.contextmanager
-def blank_generation_config(model: torch.nn.Module) -> Iterator[None]:
-    """generate() fills every field a config leaves unset from the model's own generation config:
-    give it a blank one meanwhile."""
-    saved, model.generation_config = model.generation_config, GenerationConfig()
-    try:
-        yield
-    finally:
-        model.generation_config = saved
-
-
 def merge_rollouts(parts: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
     """Stack batches sampled separately (chunks, ranks): prompts re-left-padded to the widest,
     responses re-right-padded to the longest."""
@@ -103,6 +71,28 @@ def pad_responses(parts: Sequence[torch.Tensor], value: float = 0.0) -> torch.Te
     return torch.cat([torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value) for t in parts])
 
 
+def sample_tokens(
+    policy: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    params: SamplingParams,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    seed: int,
+    synced_gpus: bool = False,
+) -> Decoded:
+    """Responses [B, R] to left-padded prompts `ids` [B, P] and their log-probs under
+    softmax(logits / T) (engine/decode.py); `seed` fixes the draw exactly. `synced_gpus`: ZeRO-3's
+    lockstep (Runtime.generate_kwargs)."""
+    was_training = policy.training
+    policy.eval()
+    try:
+        sampling = (params.temperature, params.top_p, params.max_new_tokens)
+        return decode(policy, ids, attention, *sampling, stop_ids, pad_id, seed, synced_gpus)
+    finally:
+        policy.train(was_training)
+
+
 @torch.no_grad()
 def generate_rollouts(
     policy: torch.nn.Module,
@@ -112,22 +102,14 @@ def generate_rollouts(
     seed: int,
     **generate_kwargs: Any,
 ) -> RolloutBatch:
-    """Sample one response per prompt with the KV cache; `seed` fixes the draw exactly.
+    """Sample one response per prompt (`sample_tokens`); `seed` fixes the draw exactly.
 
     generate_kwargs: backend extras (`synced_gpus` under ZeRO-3)."""
     ids, attention = left_pad(prompts, tokenizer.pad_token_id)
-    was_training = policy.training
-    policy.eval()
-    torch.manual_seed(seed)
-    with blank_generation_config(policy):
-        config = sampling_config(params, tokenizer.pad_token_id, stop_token_ids(tokenizer))
-        device = model_device(policy)
-        out = policy.generate(
-            input_ids=ids.to(device), attention_mask=attention.to(device), generation_config=config, **generate_kwargs
-        ).cpu()
-    policy.train(was_training)
-    response = out[:, ids.shape[1] :]
-    mask = response_mask_from_ids(response, stop_token_ids(tokenizer))
+    stops = stop_token_ids(tokenizer)
+    pad = tokenizer.pad_token_id
+    response = sample_tokens(policy, ids, attention, params, stops, pad, seed, **generate_kwargs).tokens
+    mask = response_mask_from_ids(response, stops)
     response = torch.where(mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
     texts = tuple(tokenizer.batch_decode(response, skip_special_tokens=True))
     return RolloutBatch(

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
+from rlflow.engine.cpu_memory import keep_freed_memory
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.weight_sync import DTYPES, TensorEntry, copy_tensor, unpack_bucket, weights_fingerprint
 
@@ -207,28 +208,15 @@ class HFBackend:
 
     @torch.no_grad()
     def generate(self, request: GenerateRequest) -> GenerateResult:
-        from rlflow.engine.algos import logprobs_from_logits
         from rlflow.engine.batching import left_pad
+        from rlflow.engine.rollout import SamplingParams, sample_tokens
         from rlflow.engine.tokens import response_mask_from_ids
-        from rlflow.engine.rollout import (
-            SamplingParams,
-            blank_generation_config,
-            sampling_config,
-        )
 
         ids, attention = left_pad(request.prompts, request.pad_token_id)
-        torch.manual_seed(request.seed)
-        # The sampling config of generate_rollouts, plus the raw per-step logits: log-probs of the
-        # tokens this sampler actually drew.
         params = SamplingParams(request.temperature, request.top_p, request.max_new_tokens)
-        config = sampling_config(
-            params, request.pad_token_id, request.stop_token_ids, output_logits=True, return_dict_in_generate=True
-        )
-        with blank_generation_config(self.model):
-            out = self.model.generate(input_ids=ids, attention_mask=attention, generation_config=config)
-        response = out.sequences[:, ids.shape[1] :]
-        logits = torch.stack(out.logits, 1)[:, : response.shape[1]].float() / request.temperature
-        logprobs = logprobs_from_logits(logits, response)
+        stops, pad = request.stop_token_ids, request.pad_token_id
+        out = sample_tokens(self.model, ids, attention, params, stops, pad, request.seed)
+        response, logprobs = out.tokens, out.logprobs
         keep = response_mask_from_ids(response, request.stop_token_ids).bool()
         return GenerateResult(keep.sum(1).tolist(), response[keep], logprobs[keep])
 
@@ -396,6 +384,8 @@ def run_worker(make_backend: Callable[[argparse.Namespace], WorkerBackend], argv
         return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if not torch.cuda.is_available():  # as make_runtime: a CPU process keeps its freed memory
+        keep_freed_memory()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
     start = time.monotonic()

@@ -9,8 +9,8 @@ the public API of vLLM 0.32, listed here so a version bump knows what to re-chec
 - `vllm.LLM(model=, dtype=, seed=, generation_config="vllm", logprobs_mode="processed_logprobs",
   skip_tokenizer_init=True, worker_extension_cls=...)`; extra engine arguments (e.g.
   gpu_memory_utilization, tensor_parallel_size) come as a JSON object in RLFLOW_VLLM_ENGINE_ARGS.
-  generation_config="vllm" ignores the checkpoint's sampling defaults, like the explicit
-  GenerationConfig of `generate_rollouts`.
+  generation_config="vllm" ignores the checkpoint's sampling defaults, as `generate_rollouts`
+  (engine/decode.py) never reads them.
 - `LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)], use_tqdm=False)` with
   `SamplingParams(temperature, top_p, max_tokens, seed, logprobs=0, stop_token_ids=stops,
   detokenize=False)`: logprobs=0 returns the sampled token's log-prob; processed_logprobs makes it

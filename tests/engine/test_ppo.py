@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import assert_weights_agree, small_config_tree
-from rlflow.engine.algos import logprobs_from_logits
 from rlflow.engine.config import EngineConfig, build_config
 from rlflow.engine.evaluation import ScoringModels, encode_prompt_set, evaluate_policy
 from rlflow.engine.data import load_prompts
@@ -16,7 +15,7 @@ from rlflow.engine.backend import Runtime
 from rlflow.engine.models import load_policy, load_tokenizer, token_logprobs
 from rlflow.engine.ppo import make_controller, ppo_step, single_pass_possible
 from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models, run_ppo_stage
-from rlflow.engine.rollout import SamplingParams, batched_logprobs, generate_rollouts
+from rlflow.engine.rollout import SamplingParams, batched_logprobs, generate_rollouts, sample_tokens
 from test_sft_rm import RecordingSink, make_ctx
 
 
@@ -32,26 +31,13 @@ def test_recomputed_logprobs_match_the_sampler_and_first_ratio_is_one(trained):
     assert len({len(p) for p in prompts}) == 3  # unequal lengths: left padding differs per row
     batch = generate_rollouts(policy, tokenizer, prompts, SamplingParams(temperature=0.7, max_new_tokens=10), seed=3)
     old = batched_logprobs(policy, batch, temperature=0.7)
-    # The sampler's own distribution (logits / T) for the tokens it drew, from generate's scores.
-    torch.manual_seed(3)
-    ids = batch.input_ids[:, : batch.prompt_width]
-    out = policy.generate(
-        input_ids=ids,
-        attention_mask=batch.attention_mask[:, : batch.prompt_width],
-        do_sample=True,
-        temperature=0.7,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=10,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    scores = torch.stack(out.scores, 1)  # [B, R, V]
-    sampled = logprobs_from_logits(scores, batch.response_ids[:, : scores.shape[1]])
-    mask = batch.response_mask[:, : scores.shape[1]]
-    assert torch.allclose(sampled * mask, old[:, : scores.shape[1]] * mask, atol=1e-5)
+    # The sampler's own distribution (logits / T) for the tokens it drew, as the sampler reports it.
+    ids, attention = batch.input_ids[:, : batch.prompt_width], batch.attention_mask[:, : batch.prompt_width]
+    stops, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    out = sample_tokens(policy, ids, attention, SamplingParams(0.7, 1.0, 10), stops, pad, 3)
+    mask = batch.response_mask
+    assert torch.equal(torch.where(mask.bool(), out.tokens, pad), batch.response_ids)
+    assert torch.allclose(out.logprobs * mask, old * mask, atol=1e-5)
     # First PPO mini-batch: a subset of rows recomputed in train mode gives ratio 1.
     policy.train()
     index = torch.tensor([2, 0])
