@@ -7,8 +7,8 @@ mask building, seven matmuls per layer, and a multinomial draw that fills an exp
 for every vocabulary entry of every row. For Llama-family decoders (ARCHITECTURES) this module
 runs its own layer loop (_FastSteps), ~47 ms per step:
   - q/k/v and gate/up weights concatenated: four matmuls per layer instead of seven;
-  - gate/up and the LM head reordered into oneDNN's blocked layout for the batch (CPU, fp32),
-    which reads them at 8 rows ~1.6-2.6x faster than the plain layout;
+  - wide matrices (gate/up, a large-vocabulary head) reordered into oneDNN's blocked layout for
+    the batch, which reads them at 8 rows ~1.4-2.6x faster than the plain layout;
   - q/k rows paired so the rotary embedding is one complex multiply;
   - a preallocated KV cache and one boolean key mask, written in place;
   - the residual adds fused into the o/down matmuls where packed.
@@ -142,7 +142,7 @@ def decoder_weights(model: torch.nn.Module, batch: int) -> DecoderWeights:
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
 
-    def fused(prefix: str, names: tuple[str, ...], pair: tuple[int, ...] = (), pack: bool = False) -> _Linear:
+    def fused(prefix: str, names: tuple[str, ...], pair: tuple[int, ...] = ()) -> _Linear:
         weights = [params[f"{prefix}{n}.weight"] for n in names]
         biases = [params.get(f"{prefix}{n}.bias") for n in names]
         for j, count in enumerate(pair):
@@ -152,11 +152,13 @@ def decoder_weights(model: torch.nn.Module, batch: int) -> DecoderWeights:
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-        return _linear(weight, bias, batch, pack)
+        # Packed (reordered per call, about a copy's cost) only where the output is at least 3x the
+        # input: those read their weights at 8 rows markedly faster so, the others do not (per
+        # decode step, all layers, caches cold; SmolLM2: gate/up 21.0 -> 13.4 ms, head 14.8 -> 5.7,
+        # q/k/v (1.7x) 5.6 -> 5.5; the 50M bench model: q/k/v (3x) 4.9 -> 3.6, gate/up 9.0 -> 5.8;
+        # o and down no better, a 351-token head slower).
+        return _linear(weight, bias, batch, pack=weight.shape[0] >= 3 * weight.shape[1])
 
-    # Packed (reordered per call, about a copy's cost): gate/up and the head, the two that read
-    # their weights at 8 rows markedly faster so (SmolLM2, 30 layers, caches cold: gate/up 21.0 ->
-    # 13.4 ms per step, head 14.8 -> 5.7). q/k/v, o and down gain nothing and stay as they are.
     layers = []
     for i in range(cfg.num_hidden_layers):
         a, m, layer = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
@@ -166,7 +168,7 @@ def decoder_weights(model: torch.nn.Module, batch: int) -> DecoderWeights:
                 qkv=fused(a, ("q_proj", "k_proj", "v_proj"), (heads, kv_heads)),
                 o=fused(a, ("o_proj",)),
                 post_norm=params[f"{layer}post_attention_layernorm.weight"],
-                gate_up=fused(m, ("gate_proj", "up_proj"), pack=True),
+                gate_up=fused(m, ("gate_proj", "up_proj")),
                 down=fused(m, ("down_proj",)),
             )
         )
@@ -177,7 +179,7 @@ def decoder_weights(model: torch.nn.Module, batch: int) -> DecoderWeights:
         embed=embed,
         layers=tuple(layers),
         norm=params["model.norm.weight"],
-        head=fused("", ("lm_head",), pack=True),
+        head=fused("", ("lm_head",)),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
