@@ -1,4 +1,4 @@
-"""How a CPU process's freed memory is kept (between steps) and released (after sampling).
+"""Keep freed memory inside a CPU process instead of handing it back to the OS after every free.
 
 glibc serves every allocation above its mmap threshold (128 KiB to 32 MiB, adaptive) with a fresh
 mmap and unmaps it on free, and trims the heap top when it is freed. A training step allocates and
@@ -10,8 +10,7 @@ but the process holds its peak until it exits. PyTorch's CPU tuning guide gets t
 jemalloc or tcmalloc; this needs no preloaded library.
 
 Set MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES yourself and this leaves glibc as
-you configured it. The one explicit release (`release_free_memory`) follows the decode loop, whose
-many per-layer copies would otherwise stay in the heap as holes.
+you configured it.
 """
 
 from __future__ import annotations
@@ -32,25 +31,10 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied is None:
         _applied = False
-        if not any(k in os.environ for k in _USER_SETTINGS):
-            libc = _libc()
-            if libc is not None and hasattr(libc, "mallopt"):  # musl and others: no glibc mallopt
+        if sys.platform.startswith("linux") and not any(k in os.environ for k in _USER_SETTINGS):
+            try:
+                libc = ctypes.CDLL("libc.so.6")
                 _applied = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
+            except (OSError, AttributeError):  # musl and others: no glibc mallopt
+                pass
     return _applied
-
-
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
-    except OSError:
-        return None
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc malloc_trim), after a phase that freed many
-    blocks of sizes the next phase will not reuse: the decode loop's per-layer weight copies (~0.4 GB
-    at SmolLM2) otherwise sit in the heap as holes the update's larger tensors do not fit, and the
-    GRPO step's peak rose by ~0.9 GB (7,437 vs 6,563 MB with this call, 6,342 before the loop)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)

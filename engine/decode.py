@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from rlflow.engine.cpu_memory import release_free_memory
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -357,8 +356,4 @@ def decode(
         if step == max_new_tokens - 1 or _all_done(done, synced):
             break
         logits = steps.step(token, width + step)
-    out = Decoded(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu())
-    del steps, logits
-    if device.type == "cpu":
-        release_free_memory()
-    return out
+    return Decoded(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu())
