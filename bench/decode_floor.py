@@ -8,7 +8,7 @@ tokens; the demo prompts, as written), fp32, 2 threads, each figure the median o
   floor         weight bytes / bandwidth: one decode step must read every weight once
   bare_forward  one cached forward of the batch (DynamicCache), no sampling: the per-step cost of the
                 library, mostly 30 layers x (norm, attention, MLP) kernel launches at batch 8
-  rlflow        engine.rollout.generate_rollouts (engine/decode.py's own layer loop, sampling; its
+  rlflow        engine.rollout.generate_rollouts (engine/rollout/decode.py's own layer loop, sampling; its
                 per-call weight reorder counted), per decode step after prefill
   hf_static     HF generate with cache_implementation="static"
   manual_loop   a plain Python loop over cached forwards with the same sampling
@@ -107,19 +107,42 @@ def static_decoder(model, batch: int, max_len: int):
     return run
 
 
-def main() -> int:
+def bare_forward_step(model, ids: torch.Tensor, attention: torch.Tensor, reps: int) -> float:
+    """Seconds of one cached single-token forward after the prompt (the cache cropped back each time)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    model(input_ids=ids, attention_mask=attention, past_key_values=cache)
+    one = torch.full((ids.shape[0], 1), 5)
+    mask = torch.cat([attention, torch.ones_like(one)], 1)
+
+    def bare():
+        extra = cache.get_seq_length() - ids.shape[1]
+        if extra:  # the same cache length every time
+            cache.crop(-extra)
+        model(input_ids=one, attention_mask=mask, past_key_values=cache)
+
+    return timed(bare, reps)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also a compiled static-cache decode step")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from rlflow.engine.models import load_tokenizer
-    from rlflow.engine.batching import left_pad
-    from rlflow.engine.rollout import SamplingParams, generate_rollouts
+    from rlflow.engine.models.loading import load_tokenizer
+    from rlflow.engine.data.batching import left_pad
+    from rlflow.engine.config.sampling import SamplingParams
+    from rlflow.engine.rollout.generate import generate_rollouts
 
     os.chdir(Path(__file__).resolve().parents[1])  # the assets' paths are relative to the repository
     assets = build_assets()
@@ -142,20 +165,7 @@ def main() -> int:
 
     with torch.no_grad():
         prefill = timed(lambda: model(input_ids=ids, attention_mask=attention), args.reps)
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        model(input_ids=ids, attention_mask=attention, past_key_values=cache)
-        one = torch.full((args.batch, 1), 5)
-        mask = torch.cat([attention, torch.ones_like(one)], 1)
-
-        def bare():
-            extra = cache.get_seq_length() - ids.shape[1]
-            if extra:  # the same cache length every time
-                cache.crop(-extra)
-            model(input_ids=one, attention_mask=mask, past_key_values=cache)
-
-        bare_step = timed(bare, args.reps * 5)
+        bare_step = bare_forward_step(model, ids, attention, args.reps * 5)
         reference = hf(greedy=True)
         variants = {
             "rlflow": (

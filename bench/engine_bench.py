@@ -10,6 +10,7 @@ SFT: seconds per step and bytes of activations saved for backward (one step, sum
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import json
 import os
@@ -21,18 +22,22 @@ from pathlib import Path
 
 import torch
 
-from rlflow.engine import dist
-from rlflow.engine.backend import OptimSpec, Runtime, make_runtime
-from rlflow.engine.batching import encode_pair
-from rlflow.engine.config import EngineConfig, RolloutConfig, build_config
-from rlflow.engine.data import load_prompts, load_sft_examples
-from rlflow.engine.evaluation import encode_prompt_set
-from rlflow.engine.models import load_policy, load_tokenizer
-from rlflow.engine.ppo import make_controller, ppo_step
-from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
-from rlflow.engine.rollout_service import RolloutService
-from rlflow.engine.sft import sft_train_step
-from rlflow.engine.stage import StageContext
+from rlflow.engine.backend import dist
+from rlflow.engine.backend.runtime import OptimSpec, Runtime
+from rlflow.engine.backend.factory import make_runtime
+from rlflow.engine.data.batching import encode_pair
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.config.execution import RolloutConfig
+from rlflow.engine.config.execution import EngineConfig
+from rlflow.engine.data.records import load_prompts, load_sft_examples
+from rlflow.engine.stages.evaluation import encode_prompt_set
+from rlflow.engine.models.loading import load_policy, load_tokenizer
+from rlflow.engine.stages.rl.step import make_controller, ppo_step
+from rlflow.engine.stages.rl.experience import Objective
+from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
+from rlflow.engine.rollout.service import RolloutService
+from rlflow.engine.stages.sft import sft_train_step
+from rlflow.engine.stages.context import StageContext
 
 ASSETS = Path("demo_assets")
 
@@ -43,17 +48,19 @@ def zero_gold(prompt, response, **fields):
 
 def ppo_seconds(engine_cfg: EngineConfig, server: bool, steps: int) -> list[float]:
     model = str(ASSETS / "tiny-model")
-    cfg = build_config({"ppo": {"rollout_batch": 64, "mini_batch": 32, "epochs": 2, "max_new_tokens": 24}}, "bench")
+    tree = {"ppo": {"rollout_batch": 64, "mini_batch": 32, "epochs": 2}, "sampling": {"max_new_tokens": 24}}
+    cfg = build_config(tree, "bench")
     runtime = make_runtime(engine_cfg)
     models = load_ppo_models(PPOInputs(model, model, model, model, (0.0, 1.0), model), cfg.model, cfg.ppo, zero_gold, runtime)
     if server:
-        models.rollout = RolloutService.start(RolloutConfig(mode="server"), model, models.tokenizer, models.actor, None)
+        service = RolloutService.start(RolloutConfig(mode="server"), model, models.tokenizer, models.actor, None)
+        models = dataclasses.replace(models, rollout=service)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(str(ASSETS / "data/prompts.jsonl")), 32, "truncate", "p")
-    controller, times = make_controller(cfg.ppo), []
+    controller, times = make_controller(cfg.kl), []
     try:
         for step in range(1, steps + 1):
             started = time.monotonic()
-            ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, 32)
+            ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, 32, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
             times.append(time.monotonic() - started)
     finally:
         if models.rollout is not None:

@@ -20,8 +20,8 @@ GRPO_SIZES = {
     "smollm2": {"prompts": 2, "generations": 4, "updates": 3},
 }
 GRPO_WORKLOAD = {  # on top of the PPO workload's max_new_tokens, max_prompt_tokens, warmup, lr, seed, threads
-    "beta": 0.05,  # TRL beta; rlflow algorithm.kl_loss_coef
-    "kl_loss_type": "k3",  # rlflow algorithm.kl_loss_type; TRL's KL loss is k3 (exp(ref - logp) - (ref - logp) - 1)
+    "beta": 0.05,  # TRL beta; rlflow kl.loss_coef
+    "kl_loss_type": "k3",  # rlflow kl.estimator; TRL's KL loss is k3 (exp(ref - logp) - (ref - logp) - 1)
     "loss_agg": "token-mean",  # rlflow ppo.loss_agg
     "trl_loss_type": "dapo",  # TRL's token-mean over the accumulated batch: here the step's whole batch
 }

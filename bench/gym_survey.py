@@ -5,7 +5,7 @@ was chosen (docs/real-model.md). One process, one candidate after another, 2 tor
 
 Each candidate: `rlflow data gym`'s held-out prompts (seed 0 + 10**6, deduplicated against a
 training set of 512), the prompt's answer-format sentence, greedy decoding of up to
---max-new-tokens through the chat template, graded by engine/gym_task.py gym_gold (accuracy:
+--max-new-tokens through the chat template, graded by engine/tasksets/gym.py gym_gold (accuracy:
 score_answer == 1.0; lenient: the last number; mean score: reasoning-gym's partial credit).
 """
 
@@ -32,9 +32,10 @@ CANDIDATES = [
 
 
 def survey_one(model, tokenizer, name, config, extract, n, max_new_tokens, batch) -> dict:
-    from rlflow.engine.data import format_prompt, load_prompts
-    from rlflow.engine.gym_task import gym_gold, write_gym_dataset
-    from rlflow.engine.rollout import SamplingParams, generate_rollouts
+    from rlflow.engine.data.records import format_prompt, load_prompts
+    from rlflow.engine.tasksets.gym import gym_gold, write_gym_dataset
+    from rlflow.engine.config.sampling import SamplingParams
+    from rlflow.engine.rollout.generate import generate_rollouts
 
     with tempfile.TemporaryDirectory() as tmp:
         written = write_gym_dataset(name, tmp, 512, n, 0, config, extract)
@@ -79,7 +80,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(2)
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.models import load_policy, load_tokenizer
+    from rlflow.engine.models.loading import load_policy, load_tokenizer
 
     tokenizer, model = load_tokenizer(args.model), load_policy(args.model).eval()
     for index, (name, config, extract) in enumerate(CANDIDATES):

@@ -36,11 +36,12 @@ def peak_rss_mb() -> float:
 
 def measure(mode: str, policy: str, shape: str, lora_r: int, targets: list[str]) -> dict:
     """One mode in this process: train STEPS steps and report the figures of the module docstring."""
-    from rlflow.engine.backend import LossParts, OptimSpec, Runtime
-    from rlflow.engine.config import EngineConfig, LoraConfig
-    from rlflow.engine.lora import trainable_parameters
-    from rlflow.engine.models import load_policy, save_model_dir
-    from rlflow.engine.sft import response_token_loss
+    from rlflow.engine.backend.runtime import LossParts, OptimSpec, Runtime
+    from rlflow.engine.config.execution import EngineConfig
+    from rlflow.engine.config.model import LoraConfig
+    from rlflow.engine.models.lora import trainable_parameters
+    from rlflow.engine.models.loading import load_policy, save_model_dir
+    from rlflow.engine.stages.sft import response_token_loss
 
     torch.set_num_threads(2)
     lora = LoraConfig(r=lora_r, alpha=2 * lora_r, target_modules=targets) if mode == "lora" else None

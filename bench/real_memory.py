@@ -1,5 +1,5 @@
 """Peak memory at a real vocabulary (SmolLM2-135M, V = 49152, fp32, full fine-tuning), with the
-LM head in chunks (engine/lm_head.py) and with full-width logits, each case in a fresh process.
+LM head in chunks (engine/models/lm_head.py) and with full-width logits, each case in a fresh process.
 
     .venv/bin/python bench/real_memory.py --model models/smollm2-135m-instruct [--cases sft grpo ppo]
         [--engine gradient_checkpointing=true --engine micro_batch_size=8]
@@ -13,6 +13,7 @@ engine.* keys (both sides): what a step's peak costs with micro-batches or gradi
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import json
 import resource
@@ -32,10 +33,10 @@ def peak_rss_mb() -> float:
 
 
 def sft_step(model_dir: str, engine_keys: dict) -> None:
-    from rlflow.engine.backend import LossParts, OptimSpec, Runtime
-    from rlflow.engine.config import EngineConfig
-    from rlflow.engine.models import load_policy
-    from rlflow.engine.sft import response_token_loss
+    from rlflow.engine.backend.runtime import LossParts, OptimSpec, Runtime
+    from rlflow.engine.config.execution import EngineConfig
+    from rlflow.engine.models.loading import load_policy
+    from rlflow.engine.stages.sft import response_token_loss
 
     runtime = Runtime(EngineConfig(**engine_keys))
     engine = runtime.trainable("model", lambda: load_policy(model_dir), OptimSpec(1e-6, 0, 0, 0, 1.0))
@@ -45,23 +46,26 @@ def sft_step(model_dir: str, engine_keys: dict) -> None:
 
 
 def rl_step(model_dir: str, algorithm: str, engine_keys: dict) -> dict:
-    from rlflow.engine.backend import make_runtime
-    from rlflow.engine.config import EngineConfig, build_config
-    from rlflow.engine.data import load_prompts
-    from rlflow.engine.evaluation import encode_prompt_set
-    from rlflow.engine.experience import Objective
-    from rlflow.engine.gym_task import write_gym_dataset
-    from rlflow.engine.ppo import make_controller, ppo_step
-    from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
-    from rlflow.engine.reward_source import build_reward_source, start_reward_pool
+    from rlflow.engine.backend.factory import make_runtime
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.config.execution import EngineConfig
+    from rlflow.engine.data.records import load_prompts
+    from rlflow.engine.stages.evaluation import encode_prompt_set
+    from rlflow.engine.stages.rl.experience import Objective
+    from rlflow.engine.tasksets.gym import write_gym_dataset
+    from rlflow.engine.stages.rl.step import make_controller, ppo_step
+    from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
+    from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
 
     prompts_n, n = (8, 4) if algorithm == "grpo" else (32, 1)
     tree = {
         "model": {"path": model_dir},
         "algorithm": {"name": algorithm},
         "rollout": {"n": n, "generate_batch": prompts_n * n},
-        "ppo": {"rollout_batch": prompts_n, "mini_batch": prompts_n, "epochs": 1, "max_new_tokens": 32,
-                "actor_lr": 1e-6, "critic_init": "policy", "stop_kl": None},
+        "ppo": {"rollout_batch": prompts_n, "mini_batch": prompts_n, "epochs": 1, "actor_lr": 1e-6,
+                "critic_init": "policy"},
+        "kl": {"stop_above": None},
+        "sampling": {"max_new_tokens": 32},
         "reward": {"sources": [{"name": "correct", "type": "gym", "kwargs": {"extract": "last_number"}}]},
     }
     cfg = build_config(tree, "bench")
@@ -71,20 +75,21 @@ def rl_step(model_dir: str, algorithm: str, engine_keys: dict) -> dict:
         PPOInputs(model_dir, model_dir, model_dir, None, None, critic), cfg.model, cfg.ppo, lambda *a, **k: 0.0, runtime
     )
     pool = start_reward_pool(cfg.reward)
-    models.reward = build_reward_source(cfg.reward, models.scoring, None, pool, runtime, cfg.model)
+    source = build_reward_source(cfg.reward, models.scoring, None, pool, runtime, cfg.model)
+    models = dataclasses.replace(models, reward=source)
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_gym_dataset("chain_sum", tmp, prompts_n, 1, 0, CHAIN, "last_number")["paths"]
         records = load_prompts(paths["prompts"])
     prompts, _, _ = encode_prompt_set(models.tokenizer, records, 96, "truncate", "bench")
-    objective = Objective.of(cfg.algorithm, cfg.rollout.n)
+    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
     try:
-        return ppo_step(models, make_controller(cfg.ppo), cfg.ppo, prompts, 0, 0, 1, prompts_n * n, objective)
+        return ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, prompts_n * n, objective)
     finally:
         pool.close()
 
 
 def run_case(case: str, model_dir: str, chunked: bool, engine_keys: dict) -> dict:
-    from rlflow.engine import lm_head
+    from rlflow.engine.models import lm_head
 
     torch.set_num_threads(2)
     lm_head.CHUNK_TOKENS = lm_head.CHUNK_TOKENS if chunked else None

@@ -22,12 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlflow.engine.config import build_config
-from rlflow.engine.demo_task import make_demo_assets, make_tiny_model
-from rlflow.engine.metrics import EVENT_PREFIX
-from rlflow.engine.models import load_tokenizer
-from rlflow.engine.secrets import redact
-from rlflow.engine.worker import StageCall, write_spec
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.tasksets.demo import make_demo_assets, make_tiny_model
+from rlflow.engine.telemetry.metrics import EVENT_PREFIX
+from rlflow.engine.models.loading import load_tokenizer
+from rlflow.engine.config.secrets import redact
+from rlflow.engine.stages.worker import StageCall, write_spec
 
 SIZES = {"0.4M": (128, 2), "21M": (512, 8), "130M": (1024, 12)}  # name -> (hidden, layers)
 
@@ -38,7 +38,7 @@ def run_worker(spec: Path, fault: str | None) -> tuple[int, float, dict[int, dic
     if fault:
         env["RLFLOW_FAULT"] = fault
     started = time.monotonic()
-    command = [sys.executable, "-m", "rlflow.engine.worker", str(spec)]
+    command = [sys.executable, "-m", "rlflow.engine.stages.worker", str(spec)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.monotonic() - started
     metrics: dict[int, dict] = {}
@@ -66,7 +66,14 @@ def measure(name: str, hidden: int, layers: int, assets: Path, work: Path) -> di
         "sft": {"max_steps": 2, "batch_size": 8, "eval_every": 100, "log_every": 1, "warmup_steps": 0},
         "checkpoint": {"every_steps": 1, "keep_last": 2, "consolidate_every": 100},
     }
-    call = StageCall("sft", f"{work}/runs-{name}/sft", 0, "bench", {}, init_path=str(model_dir))
+    call = StageCall(
+        stage="sft",
+        store_url=f"{work}/runs-{name}/sft",
+        round_index=0,
+        identity="bench",
+        identity_tree={},
+        init_path=str(model_dir),
+    )
     spec = work / f"spec-{name}.json"
     write_spec(str(spec), redact(build_config(tree, "bench").model_dump(mode="json")), call, str(work / "outcome.json"))
     rc, fresh_wall, _ = run_worker(spec, "sft:step:2")

@@ -15,42 +15,41 @@ Every interval records how many cores other jobs kept busy; after one they distu
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 
 import torch
 
-from bench_assets import cpu_snapshot, foreign_cores, ids_crc, prompt_ids, wait_quiet
+from bench_assets import cpu_snapshot, emit_result, foreign_cores, ids_crc, prompt_ids, wait_quiet
 
 
 def setup_rlflow(work: dict) -> tuple[Callable[[int], dict[str, float]], list[list[int]], dict]:
     """Every call into rlflow lives here: its PPO API is being reworked, and this is what to adapt.
     Returns a function running PPO step `step` (1-based) and returning its metrics, the prompt ids and
     the resolved PPO config."""
-    from rlflow.engine.backend import make_runtime
-    from rlflow.engine.config import EngineConfig, build_config
-    from rlflow.engine.data import load_prompts
-    from rlflow.engine.evaluation import encode_prompt_set
-    from rlflow.engine.ppo import make_controller, ppo_step
-    from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
+    from rlflow.engine.backend.factory import make_runtime
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.config.execution import EngineConfig
+    from rlflow.engine.data.records import load_prompts
+    from rlflow.engine.stages.evaluation import encode_prompt_set
+    from rlflow.engine.stages.rl.step import make_controller, ppo_step
+    from rlflow.engine.stages.rl.experience import Objective
+    from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
 
     batch = work["batch"]
     ppo = {
         "rollout_batch": batch,
         "mini_batch": batch,
         "epochs": 1,
-        "max_new_tokens": work["max_new_tokens"],
         "actor_lr": work["lr"],
         "critic_lr": work["lr"],
-        "kl": {"controller": "fixed", "init_coef": work["kl_coef"]},
         "whiten_advantages": True,
-        "stop_kl": None,
         "max_grad_norm": 1.0,
-        "temperature": 1.0,
-        "top_p": 1.0,
     }
-    cfg = build_config({"ppo": ppo, "model": {"path": work["policy"], "dtype": "float32"}}, "bench")
+    kl = {"controller": "fixed", "coef": work["kl_coef"], "stop_above": None}
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": work["max_new_tokens"]}
+    model = {"path": work["policy"], "dtype": "float32"}
+    cfg = build_config({"ppo": ppo, "kl": kl, "sampling": sampling, "model": model}, "bench")
     runtime = make_runtime(EngineConfig(precision="fp32"))
     policy, rm = work["policy"], work["rm"]
 
@@ -61,10 +60,12 @@ def setup_rlflow(work: dict) -> tuple[Callable[[int], dict[str, float]], list[li
     models = load_ppo_models(inputs, cfg.model, cfg.ppo, no_gold, runtime)
     records = load_prompts(work["prompts"])[:batch]
     prompts, _, _ = encode_prompt_set(models.tokenizer, records, work["max_prompt_tokens"], "truncate", "bench")
-    controller = make_controller(cfg.ppo)
+    controller = make_controller(cfg.kl)
+
+    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
 
     def step(index: int) -> dict[str, float]:
-        return ppo_step(models, controller, cfg.ppo, prompts, work["seed"], 0, index, batch)
+        return ppo_step(models, controller, cfg.ppo, prompts, work["seed"], 0, index, batch, objective)
 
     return step, [list(t) for t in prompts.token_ids], cfg.ppo.model_dump(mode="json")
 
@@ -82,6 +83,42 @@ class Clock:
         after = cpu_snapshot()
         self.last_foreign = foreign_cores(before, after)
         return {"seconds": after[0] - before[0], "foreign_cores": self.last_foreign}, out
+
+
+class StepLog:
+    """Runs rlflow's steps on a Clock and keeps what the report needs: each warm-up step's seconds, each
+    timed step's seconds, foreign cores and timing_s/* phases, and every step's metrics. Stops the worker
+    on a response that is not full length: with the EOS unreachable both sides sample max_new_tokens, or
+    the comparison is off."""
+
+    def __init__(self, clock: Clock, work: dict):
+        self.clock, self.warmup, self.new_tokens = clock, work["warmup"], work["max_new_tokens"]
+        self.metrics: list[dict[str, float]] = []
+        self.timed: list[dict] = []
+        self.warmup_s: list[float] = []
+
+    def run(self, step: Callable[[int], dict[str, float]], index: int) -> dict[str, float]:
+        timing, metrics = self.clock(lambda: step(index))
+        self.metrics.append(metrics)
+        if metrics.get("response_length/mean") != self.new_tokens:
+            length = metrics.get("response_length/mean")
+            raise SystemExit(f"step {index}: response_length/mean={length}, expected {self.new_tokens}")
+        if index <= self.warmup:
+            self.warmup_s.append(timing["seconds"])
+        else:
+            self.timed.append(dict(timing, timings={k: v for k, v in metrics.items() if k.startswith("timing_s/")}))
+        return metrics
+
+    def fields(self) -> dict:
+        return {
+            "side": "rlflow",
+            "update_s": [s["seconds"] for s in self.timed],
+            "foreign_cores": [s["foreign_cores"] for s in self.timed],
+            "timings": [s["timings"] for s in self.timed],
+            "warmup_s": self.warmup_s,
+            "response_length": [m["response_length/mean"] for m in self.metrics],
+            "threads": torch.get_num_threads(),
+        }
 
 
 def floor_passes(work: dict) -> tuple[dict[str, Callable[[], None]], list[list[int]]]:
@@ -152,42 +189,23 @@ def main() -> None:
     passes, floor_ids = floor_passes(work)
     a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
     passes["matmul"] = lambda: torch.mm(a, b)
-    clock, steps, timed_steps, warmup_s = Clock(work["quiet_s"]), [], [], []
+    clock = Clock(work["quiet_s"])
+    log = StepLog(clock, work)
     floor: dict[str, list[dict]] = {name: [] for name in passes}
     for index in range(1, work["warmup"] + work["updates"] + 1):
-        warm = index <= work["warmup"]
-        timing, metrics = clock(lambda: step(index))
-        steps.append(metrics)
-        # Full-length responses on both sides, or the comparison is off: the EOS is unreachable.
-        if metrics.get("response_length/mean") != work["max_new_tokens"]:
-            length = metrics.get("response_length/mean")
-            raise SystemExit(f"step {index}: response_length/mean={length}, expected {work['max_new_tokens']}")
-        if warm:
-            warmup_s.append(timing["seconds"])
-        else:
-            timed_steps.append(dict(timing, timings={k: v for k, v in metrics.items() if k.startswith("timing_s/")}))
+        log.run(step, index)
         for name, fn in passes.items():  # the warm-up round pays first-call costs, untimed
             runs = clock(fn)[0]
-            if not warm:
+            if index > work["warmup"]:
                 floor[name].append(runs)
-    result = {
-        "side": "rlflow",
-        "update_s": [s["seconds"] for s in timed_steps],
-        "foreign_cores": [s["foreign_cores"] for s in timed_steps],
-        "timings": [s["timings"] for s in timed_steps],
-        "warmup_s": warmup_s,
-        "floor": {"parts": {k: v for k, v in floor.items() if k != "matmul"}, "matmul_runs": floor["matmul"]},
+    floor_parts = {k: v for k, v in floor.items() if k != "matmul"}
+    result = log.fields() | {
+        "floor": {"parts": floor_parts, "matmul_runs": floor["matmul"]},
         "matmul_flop": 2 * MATMUL_N**3,
-        "response_length": [m["response_length/mean"] for m in steps],
-        "prompt_width": max(len(row) for row in ids),
-        "prompt_ids_crc32": ids_crc(ids),
         "floor_prompt_ids_crc32": ids_crc(floor_ids),
-        "threads": torch.get_num_threads(),
         "config": config,
-        "size": work["size"],
-        "pid": os.getpid(),
     }
-    print("BENCH_JSON " + json.dumps(result), flush=True)
+    emit_result(work, ids, result)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,21 @@ Prints one line `BENCH_JSON {...}` on stdout.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
 
 import torch
 
-from bench_assets import foreign_cores, ids_crc, prompt_ids
-from trl_ppo_worker import IterationClock, LogKeeper
+from bench_assets import emit_result, prompt_ids
+from trl_ppo_worker import (
+    TRAINER_SETTINGS_REPORTED,
+    IterationClock,
+    LogKeeper,
+    timed_iterations,
+    train_and_collect,
+    trainer_args,
+)
 
 TRL_SETTINGS_REPORTED = (
     "per_device_train_batch_size",
@@ -37,21 +43,9 @@ TRL_SETTINGS_REPORTED = (
     "epsilon",
     "loss_type",
     "scale_rewards",
-    "learning_rate",
-    "optim",
-    "lr_scheduler_type",
-    "adam_beta1",
-    "adam_beta2",
-    "weight_decay",
-    "max_grad_norm",
-    "gradient_checkpointing",
-    "bf16",
-    "fp16",
-    "use_cpu",
     "max_steps",
     "shuffle_dataset",
-    "save_strategy",
-)
+) + TRAINER_SETTINGS_REPORTED
 
 
 def make_config(work: dict, output_dir: str):
@@ -60,7 +54,7 @@ def make_config(work: dict, output_dir: str):
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=output_dir,
+        **trainer_args(work, output_dir),
         max_steps=work["warmup"] + work["updates"],
         per_device_train_batch_size=work["prompts_per_iter"] * work["generations"],
         gradient_accumulation_steps=1,
@@ -73,24 +67,8 @@ def make_config(work: dict, output_dir: str):
         beta=work["beta"],  # KL to the reference as a loss term; TRL's estimator is k3
         loss_type=work["trl_loss_type"],  # "dapo": token-mean over the step's batch = rlflow's token-mean
         scale_rewards="group",  # (r - group mean) / group std, as rlflow's grpo with norm_std
-        learning_rate=work["lr"],
-        lr_scheduler_type="constant",  # rlflow's schedule is constant
         warmup_steps=0,
-        adam_beta2=0.95,  # rlflow's AdamW betas are (0.9, 0.95)
-        weight_decay=0.0,
         max_grad_norm=1.0,  # the HF Trainer loop clips, as rlflow does
-        gradient_checkpointing=False,  # TRL's default is True; rlflow's is off
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        eval_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        dataloader_num_workers=0,
-        seed=work["seed"],
     )
 
 
@@ -148,9 +126,7 @@ def watch_generation(trainer, record: list[dict]) -> None:
 
 def run_trl(work: dict) -> dict:
     import datasets
-    import trl
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(work["policy"])
@@ -172,24 +148,10 @@ def run_trl(work: dict) -> dict:
             processing_class=tokenizer,
             callbacks=[clock, logs],
         )
-        for noisy in (PrinterCallback, ProgressCallback):  # per-step prints on stdout
-            trainer.remove_callback(noisy)
         watch_generation(trainer, generations)
-        torch.set_num_threads(work["threads"])  # in case Accelerate's setup changed it
-        trainer.train()
-    return {
-        "intervals": clock.intervals,
-        "quiet_wait_s": clock.waited,
-        "logs": logs.logs,
-        "generations": generations,
-        "rewards": rewards,
-        "prompt_ids": ids,
-        "threads": clock.threads_at_start,
-        "ref_dtype": str(next(trainer.ref_model.parameters()).dtype),
-        "config": {k: getattr(trainer.args, k) for k in TRL_SETTINGS_REPORTED},
-        "trl_version": trl.__version__,
-        "datasets_version": datasets.__version__,
-    }
+        run = train_and_collect(trainer, work, clock, logs, TRL_SETTINGS_REPORTED)
+    ref_dtype = str(next(trainer.ref_model.parameters()).dtype)
+    return run | {"generations": generations, "rewards": rewards, "prompt_ids": ids, "ref_dtype": ref_dtype}
 
 
 def check(work: dict, run: dict) -> None:
@@ -218,32 +180,13 @@ def main() -> None:
     torch.manual_seed(work["seed"])
     run = run_trl(work)
     check(work, run)
-    warmup = work["warmup"]
-    iterations = [end[0] - start[0] for start, end in run["intervals"]]
-    foreign = [foreign_cores(start, end) for start, end in run["intervals"]]
-    result = {
-        "side": "trl",
+    result = timed_iterations(run, work["warmup"]) | {
         "algo": "grpo",
-        "update_s": iterations[warmup:],
-        "foreign_cores": foreign[warmup:],
-        "quiet_wait_s": run["quiet_wait_s"],
-        "warmup_s": iterations[:warmup],
-        "gen_s": [g["seconds"] for g in run["generations"][warmup:]],
-        "reward_s": [r["seconds"] for r in run["rewards"][warmup:]],
+        "reward_s": [r["seconds"] for r in run["rewards"][work["warmup"] :]],
         "kl": [log.get("kl") for log in run["logs"] if "kl" in log],
         "grad_norm": [log.get("grad_norm") for log in run["logs"] if "grad_norm" in log],
-        "prompt_width": max(len(row) for row in run["prompt_ids"]),
-        "prompt_ids_crc32": ids_crc(run["prompt_ids"]),
-        "threads": run["threads"],
-        "config": {
-            k: str(v) if not isinstance(v, (int, float, bool, type(None))) else v for k, v in run["config"].items()
-        },
-        "trl_version": run["trl_version"],
-        "datasets_version": run["datasets_version"],
-        "size": work["size"],
-        "pid": os.getpid(),
     }
-    print("BENCH_JSON " + json.dumps(result), flush=True)
+    emit_result(work, run["prompt_ids"], result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Prints one line `BENCH_JSON {...}` on stdout.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -20,7 +19,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from bench_assets import cpu_snapshot, foreign_cores, ids_crc, prompt_ids, wait_quiet
+from bench_assets import cpu_snapshot, emit_result, foreign_cores, prompt_ids, wait_quiet
 
 
 class IterationClock(TrainerCallback):
@@ -46,6 +45,48 @@ class IterationClock(TrainerCallback):
         if self.warmup <= state.global_step < state.max_steps:
             self.waited.append(wait_quiet(self.quiet_s, foreign_cores(*self.intervals[-1])))
         self._start = cpu_snapshot()
+
+
+def timed_iterations(run: dict, warmup: int) -> dict:
+    """The result fields both TRL workers report from their IterationClock and run: the timed iterations'
+    seconds and foreign cores, the warm-up's seconds, the threads, TRL's own settings and versions."""
+    iterations = [end[0] - start[0] for start, end in run["intervals"]]
+    foreign = [foreign_cores(start, end) for start, end in run["intervals"]]
+    plain = (int, float, bool, type(None))
+    return {
+        "side": "trl",
+        "update_s": iterations[warmup:],
+        "foreign_cores": foreign[warmup:],
+        "quiet_wait_s": run["quiet_wait_s"],
+        "warmup_s": iterations[:warmup],
+        "gen_s": [g["seconds"] for g in run["generations"][warmup:]],
+        "threads": run["threads"],
+        "config": {k: v if isinstance(v, plain) else str(v) for k, v in run["config"].items()},
+        "trl_version": run["trl_version"],
+        "datasets_version": run["datasets_version"],
+    }
+
+
+def train_and_collect(trainer, work: dict, clock: IterationClock, logs: "LogKeeper", settings: tuple) -> dict:
+    """Run trainer.train() with its per-step prints off and the workload's threads; returns what both TRL
+    workers report of the run: the clock's intervals and waits, the logs, the `settings` TRL resolved."""
+    import datasets
+    import trl
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for noisy in (PrinterCallback, ProgressCallback):  # per-step prints on stdout
+        trainer.remove_callback(noisy)
+    torch.set_num_threads(work["threads"])  # in case Accelerate's setup changed it
+    trainer.train()
+    return {
+        "intervals": clock.intervals,
+        "quiet_wait_s": clock.waited,
+        "logs": logs.logs,
+        "threads": clock.threads_at_start,
+        "config": {k: getattr(trainer.args, k) for k in settings},
+        "trl_version": trl.__version__,
+        "datasets_version": datasets.__version__,
+    }
 
 
 class LogKeeper(TrainerCallback):
@@ -79,6 +120,21 @@ def watch_generation(ppo_module, record: list[dict]) -> None:
     ppo_module.batch_generation = batch_generation
 
 
+# The Hugging Face Trainer settings both TRL workers pin to rlflow's (trainer_args) and report.
+TRAINER_SETTINGS_REPORTED = (
+    "learning_rate",
+    "optim",
+    "lr_scheduler_type",
+    "adam_beta1",
+    "adam_beta2",
+    "weight_decay",
+    "max_grad_norm",
+    "gradient_checkpointing",
+    "bf16",
+    "fp16",
+    "use_cpu",
+    "save_strategy",
+)
 TRL_SETTINGS_REPORTED = (
     "batch_size",
     "mini_batch_size",
@@ -96,22 +152,35 @@ TRL_SETTINGS_REPORTED = (
     "vf_coef",
     "gamma",
     "lam",
-    "learning_rate",
-    "optim",
-    "lr_scheduler_type",
-    "adam_beta1",
-    "adam_beta2",
-    "weight_decay",
-    "max_grad_norm",
-    "gradient_checkpointing",
-    "bf16",
-    "fp16",
-    "use_cpu",
     "num_total_batches",
     "total_episodes",
     "num_sample_generations",
-    "save_strategy",
-)
+) + TRAINER_SETTINGS_REPORTED
+
+
+def trainer_args(work: dict, output_dir: str) -> dict:
+    """The Trainer arguments both TRL workers share: rlflow's optimizer and schedule (AdamW, betas
+    (0.9, 0.95), no weight decay, a constant learning rate), fp32 on the CPU, no checkpoints, no
+    evaluation, no reporting, a log entry per step, the workload's seed."""
+    return dict(
+        output_dir=output_dir,
+        learning_rate=work["lr"],
+        lr_scheduler_type="constant",
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        gradient_checkpointing=False,  # TRL's default is True; rlflow's is off
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        dataloader_num_workers=0,
+        seed=work["seed"],
+    )
 
 
 def make_config(work: dict, output_dir: str):
@@ -119,7 +188,7 @@ def make_config(work: dict, output_dir: str):
 
     batch = work["batch"]
     return PPOConfig(
-        output_dir=output_dir,
+        **trainer_args(work, output_dir),
         total_episodes=batch * (work["warmup"] + work["updates"]),  # one iteration = one batch
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
@@ -133,32 +202,14 @@ def make_config(work: dict, output_dir: str):
         kl_coef=work["kl_coef"],
         kl_estimator="k1",  # rlflow's default estimator too
         whiten_rewards=False,
-        learning_rate=work["lr"],
-        lr_scheduler_type="constant",  # rlflow's PPO schedule is constant
-        adam_beta2=0.95,  # rlflow's AdamW betas are (0.9, 0.95)
-        weight_decay=0.0,
         max_grad_norm=1.0,  # accepted, but TRL's PPO loop never clips (see the orchestrator's notes)
-        gradient_checkpointing=False,  # TRL's default is True; rlflow's is off
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        eval_strategy="no",
         num_sample_generations=0,
-        logging_steps=1,
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        dataloader_num_workers=0,
-        seed=work["seed"],
     )
 
 
 def run_trl(work: dict) -> dict:
     import datasets
-    import trl
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl.experimental.ppo import PPOTrainer
     from trl.experimental.ppo import ppo_trainer as ppo_module
 
@@ -184,21 +235,8 @@ def run_trl(work: dict) -> dict:
             value_model=critic,
             callbacks=[clock, logs],
         )
-        for noisy in (PrinterCallback, ProgressCallback):  # per-step prints on stdout
-            trainer.remove_callback(noisy)
-        torch.set_num_threads(work["threads"])  # in case Accelerate's setup changed it
-        trainer.train()
-    return {
-        "intervals": clock.intervals,
-        "quiet_wait_s": clock.waited,
-        "logs": logs.logs,
-        "generations": generations,
-        "prompt_ids": ids,
-        "threads": clock.threads_at_start,
-        "config": {k: getattr(trainer.args, k) for k in TRL_SETTINGS_REPORTED},
-        "trl_version": trl.__version__,
-        "datasets_version": datasets.__version__,
-    }
+        run = train_and_collect(trainer, work, clock, logs, TRL_SETTINGS_REPORTED)
+    return run | {"generations": generations, "prompt_ids": ids}
 
 
 def main() -> None:
@@ -206,39 +244,22 @@ def main() -> None:
     torch.set_num_threads(work["threads"])
     torch.manual_seed(work["seed"])
     run = run_trl(work)
-    warmup, n = work["warmup"], work["warmup"] + work["updates"]
-    iterations = [end[0] - start[0] for start, end in run["intervals"]]
-    foreign = [foreign_cores(start, end) for start, end in run["intervals"]]
-    if len(iterations) != n or len(run["generations"]) != n:
-        raise SystemExit(f"TRL ran {len(iterations)} iterations ({len(run['generations'])} generations), expected {n}")
+    n = work["warmup"] + work["updates"]
+    if len(run["intervals"]) != n or len(run["generations"]) != n:
+        counts = f"{len(run['intervals'])} iterations ({len(run['generations'])} generations)"
+        raise SystemExit(f"TRL ran {counts}, expected {n}")
     for i, gen in enumerate(run["generations"]):
         if gen["response_width"] != work["max_new_tokens"]:
             raise SystemExit(f"iteration {i + 1}: responses {gen['response_width']} wide, not {work['max_new_tokens']}")
     for i, log in enumerate(run["logs"]):
         if log.get("val/num_eos_tokens", 0) != 0:
             raise SystemExit(f"iteration {i + 1}: TRL saw {log['val/num_eos_tokens']} EOS tokens")
-    result = {
-        "side": "trl",
-        "update_s": iterations[warmup:],
-        "foreign_cores": foreign[warmup:],
-        "quiet_wait_s": run["quiet_wait_s"],
-        "warmup_s": iterations[:warmup],
-        "gen_s": [g["seconds"] for g in run["generations"][warmup:]],
+    result = timed_iterations(run, work["warmup"]) | {
         "response_width": [g["response_width"] for g in run["generations"]],
         "rows_with_sampled_pad": [g["rows_with_sampled_pad"] for g in run["generations"]],
         "num_eos_tokens": [log.get("val/num_eos_tokens") for log in run["logs"]],
-        "prompt_width": max(len(row) for row in run["prompt_ids"]),
-        "prompt_ids_crc32": ids_crc(run["prompt_ids"]),
-        "threads": run["threads"],
-        "config": {
-            k: str(v) if not isinstance(v, (int, float, bool, type(None))) else v for k, v in run["config"].items()
-        },
-        "trl_version": run["trl_version"],
-        "datasets_version": run["datasets_version"],
-        "size": work["size"],
-        "pid": os.getpid(),
     }
-    print("BENCH_JSON " + json.dumps(result), flush=True)
+    emit_result(work, run["prompt_ids"], result)
 
 
 if __name__ == "__main__":

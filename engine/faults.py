@@ -20,7 +20,7 @@ KILLED_EXIT_CODE = 137  # what a shell reports for SIGKILL; the launcher blames 
 EVENTS = {
     "step": "start of the step, before any work",
     "rollout": "PPO: after the first rollout chunk is sampled, before the rest",
-    "update": "after the step's first optimizer update, before the step ends",
+    "update": "after the step's optimizer update(s), before the step ends (engine/stages/loop.py)",
     "ckpt_files": "checkpoint: optimizer shards written, training state and manifest not",
     "ckpt_inside": "checkpoint: half of the step's first file written and flushed",
     "disk_full": "checkpoint: the step's first file write raises OSError(ENOSPC); the stage fails, no death",

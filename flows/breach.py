@@ -28,11 +28,12 @@ from prefect.input import RunInput
 from prefect.settings import get_current_settings
 from pydantic import Field
 
-from rlflow.engine.breaker import BREACH_KL, Breach, StageOverrides, roll_back
-from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
-from rlflow.engine.config import Config
+from rlflow.engine.stages.breaker import BREACH_KL, StageOverrides, roll_back
+from rlflow.engine.stages.context import Breach
+from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.config.schema import Config
 from rlflow.engine.errors import CheckpointError, RunHalted
-from rlflow.engine.secrets import REDACTED, redact_override
+from rlflow.engine.config.secrets import REDACTED, redact_override
 from rlflow.tasks.stages import StageResult
 
 COMMAND_ENV = "RLFLOW_COMMAND"  # JSON {"config": path, "overrides": [...]} of the CLI call, secrets redacted
@@ -45,7 +46,7 @@ class BreachDecision(RunInput):
     """The operator's answer to a paused stage (the Prefect UI's form on resume)."""
 
     action: Literal["continue", "rollback", "stop"] = "continue"
-    max_kl: float | None = Field(None, gt=0)  # new safety.max_kl for the rest of the stage; empty keeps it
+    max_kl: float | None = Field(None, gt=0)  # new kl.pause_above for the rest of the stage; empty keeps it
     kl_coef: float | None = Field(None, ge=0)  # new KL coefficient (the controller's value); empty keeps it
     rollback_step: int | None = Field(None, ge=0)  # action=rollback: a committed step to continue from
 
@@ -65,12 +66,12 @@ def shown_command(config_path: str, overrides: list[str] | tuple[str, ...]) -> s
 
 def continue_command(config: Config, breach: Breach) -> str:
     """The exact `rlflow run` call that continues this run after `breach` (the stage resumes from
-    its checkpoint: safety.* is not part of its identity, so no resume.allow_config_change)."""
+    its checkpoint: the breaker keys are not part of its identity, so no resume.allow_config_change)."""
     call = json.loads(os.environ.get(COMMAND_ENV) or '{"config": "CONFIG", "overrides": []}')
     extra = {"run.name": config.run.name}
     if breach.reason == BREACH_KL:  # a suggestion (the operator picks the limit): room above the KL seen
         limit, kl = breach.metrics["safety/max_kl"], breach.metrics.get("actor/kl", 0.0)
-        extra["safety.max_kl"] = f"{max(2 * limit, 2 * kl if math.isfinite(kl) else 0.0):.2g}"
+        extra["kl.pause_above"] = f"{max(2 * limit, 2 * kl if math.isfinite(kl) else 0.0):.2g}"
     kept = [o for o in call["overrides"] if o.split("=", 1)[0].strip() not in extra]
     secret = [o.split("=", 1)[0] for o in kept if o.endswith(f"={REDACTED}")]  # their values were never kept
     kept = [o for o in kept if not o.endswith(f"={REDACTED}")]

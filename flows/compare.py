@@ -102,19 +102,20 @@ def _fill(client: Any, rec: RoundRecord) -> None:
 def price_rounds(client: Any, parents: dict[str, str], records: list[RoundRecord], book: Any) -> None:
     """Each round's "cost": its stages' wall seconds x the run's devices (resources.nproc_per_node x
     nnodes) x the hourly price of its device (resources.gpu_type, else this machine's CPU)."""
-    from rlflow.engine.estimate_hardware import CPU_DEVICE
+    from rlflow.engine.estimate.hardware import CPU_DEVICE
 
     rates = {}
     for name, parent_id in parents.items():
         params = client.get_run(parent_id).data.params
-        device = params.get("config.resources.gpu_type") or CPU_DEVICE
+        # The parent run's params are the flattened config (tasks/tracking.py RunTracker.parent_run).
+        device = params.get("resources.gpu_type") or CPU_DEVICE
         device = CPU_DEVICE if device == "None" else device
         if device not in book.devices:
             raise ConfigError(
                 f"run {name!r} ran on resources.gpu_type={device!r}, which {book.source} does not price;"
                 f" add it there or pass --prices (priced: {', '.join(sorted(book.devices))})"
             )
-        count = int(params.get("config.resources.nproc_per_node", 1)) * int(params.get("config.resources.nnodes", 1))
+        count = int(params.get("resources.nproc_per_node", 1)) * int(params.get("resources.nnodes", 1))
         rates[name] = count * float(book.devices[device]["price_per_gpu_hour"]) / 3600
     for rec in records:
         if "seconds" in rec.values:
@@ -172,7 +173,7 @@ def command_compare(args: argparse.Namespace) -> int:
 
     tracker = RunTracker(resolve_tracking_uri(args.tracking_uri, args.root), args.experiment)
     client = tracker.client
-    from rlflow.engine.estimate_hardware import load_price_book
+    from rlflow.engine.estimate.hardware import load_price_book
 
     parents, records = collect(client, args.experiment, args.runs)
     book = load_price_book(args.prices)

@@ -20,9 +20,9 @@ from prefect.blocks.system import Secret
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from rlflow.engine.config import Config, load_config
+from rlflow.engine.config.schema import Config, load_config
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.secrets import merge_trees, split_secrets
+from rlflow.engine.config.secrets import merge_trees, split_secrets
 from rlflow.flows.plan import read_run_file
 from rlflow.flows.preflight import check_inputs
 from rlflow.flows.rlhf import run_pipeline

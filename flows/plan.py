@@ -10,11 +10,11 @@ from typing import Any
 import fsspec
 import yaml
 
-from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
-from rlflow.engine.config import Config, build_config
+from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.config.schema import Config, build_config
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.progress import events_path
-from rlflow.engine.secrets import REDACTED
+from rlflow.engine.telemetry.progress import events_path
+from rlflow.engine.config.secrets import REDACTED
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def plan_stages(config: Config) -> list[PlannedStage]:
         else:
             if c.reward.learned:
                 stages.append(("rm", f"{c.rm.epochs} epochs"))
-            stop = f"; stops at KL {c.ppo.stop_kl}" if c.ppo.stop_kl else ""
+            stop = f"; stops at KL {c.kl.stop_above}" if c.kl.stop_above else ""
             n = f" x {c.rollout.n} samples" if c.rollout.n > 1 else ""
             what = f"{c.ppo.steps} steps x {c.ppo.rollout_batch} prompts{n} ({c.algorithm.name}){stop}"
             stages.append(("ppo", what))
@@ -58,7 +58,7 @@ def with_progress(planned: list[PlannedStage], storage_options: dict[str, Any]) 
     """Each stage's state read from its checkpoint store (a final marker, the last committed step).
     A store that cannot be read (no credentials, a missing bucket) is a ConfigError naming run.root."""
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+    from rlflow.engine.storage.errors import STORAGE_ERRORS, describe_storage_error
 
     out = []
     for p in planned:

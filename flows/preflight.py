@@ -19,7 +19,7 @@ def check_backend(config: Any) -> None:
                 "engine.backend=deepspeed needs the deepspeed package: pip install 'rlflow[deepspeed]'"
                 " (or set engine.backend=torch)"
             )
-        from rlflow.engine.launch import check_resources
+        from rlflow.engine.backend.launch import check_resources
 
         check_resources(config.resources)
     if config.rollout.mode == "server" and config.rollout.server_backend == "vllm":
@@ -32,7 +32,12 @@ def check_backend(config: Any) -> None:
 
 def check_devices(config: Any) -> None:
     """GPU placement, and one device per rank of this node (see placement.validate_process_count)."""
-    from rlflow.engine.placement import usable_cpu_count, validate_placement, validate_process_count, visible_gpu_count
+    from rlflow.engine.backend.placement import (
+        usable_cpu_count,
+        validate_placement,
+        validate_process_count,
+        visible_gpu_count,
+    )
 
     gpus, cvd = visible_gpu_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
     validate_placement(config.placement, config.rollout.mode, gpus, cvd)
@@ -55,8 +60,8 @@ def check_model(config: Any) -> None:
     import json
 
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.model_import import quantization_problem
-    from rlflow.engine.models import load_model_config, resolve_model_path
+    from rlflow.engine.models.importing import quantization_problem
+    from rlflow.engine.models.loading import load_model_config, resolve_model_path
 
     path = resolve_model_path(config.model.init_path)
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -77,10 +82,10 @@ def check_model(config: Any) -> None:
             )
     hf_config = load_model_config(path, config.model.trust_remote_code)
     context = getattr(hf_config, "max_position_embeddings", None)
-    wanted = config.data.max_prompt_tokens + config.ppo.max_new_tokens
+    wanted = config.data.max_prompt_tokens + config.sampling.max_new_tokens
     if context is not None and wanted > context:
         raise ConfigError(
-            f"data.max_prompt_tokens={config.data.max_prompt_tokens} + ppo.max_new_tokens={config.ppo.max_new_tokens}"
+            f"data.max_prompt_tokens={config.data.max_prompt_tokens} + sampling.max_new_tokens={config.sampling.max_new_tokens}"
             f" = {wanted} tokens is more than the model's context of {context} (max_position_embeddings of"
             f" {path!r}); lower one of them"
         )
@@ -91,8 +96,8 @@ def check_tokenizer(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
     empty would fail the label or PPO stage after SFT and the reward model have trained:
     tokenizing the prompts now takes a second."""
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.evaluation import encode_prompt_set
-    from rlflow.engine.models import load_tokenizer
+    from rlflow.engine.stages.evaluation import encode_prompt_set
+    from rlflow.engine.models.loading import load_tokenizer
 
     template = config.data.chat_template
     tokenizer = load_tokenizer(config.model.init_path, config.model.trust_remote_code, chat_template=template)
@@ -115,8 +120,8 @@ def check_reward_model_vocabulary(config: Any) -> None:
     init = config.rm.init
     if init == "sft" or "://" in init:
         return
-    from rlflow.engine.checkpoint import model_location
-    from rlflow.engine.models import check_shared_vocabulary, resolve_model_path
+    from rlflow.engine.storage.checkpoint import model_location
+    from rlflow.engine.models.loading import check_shared_vocabulary, resolve_model_path
 
     path = resolve_model_path(model_location(init, {}), "rm.init")
     check_shared_vocabulary(config.model.init_path, path, config.model.trust_remote_code)
@@ -126,8 +131,8 @@ def check_run_root(config: Any) -> None:
     """Fails now (one line, exit 2) if run.root cannot be written (a missing bucket, refused
     credentials) or another live process holds the run; the flow takes the lock for real."""
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.run_lock import RunLock
-    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+    from rlflow.engine.storage.lock import RunLock
+    from rlflow.engine.storage.errors import STORAGE_ERRORS, describe_storage_error
 
     url, options = f"{config.run.root.rstrip('/')}/{config.run.name}", config.run.storage_options
     try:
@@ -158,7 +163,7 @@ def check_mirror(config: Any) -> None:
     if not config.checkpoint.mirror:
         return
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.storage_errors import STORAGE_ERRORS, describe_storage_error
+    from rlflow.engine.storage.errors import STORAGE_ERRORS, describe_storage_error
 
     url, options = f"{config.checkpoint.mirror.rstrip('/')}/{config.run.name}", config.checkpoint.mirror_storage_options
     try:
@@ -171,9 +176,9 @@ def check_mirror(config: Any) -> None:
 def check_reward_sources(config: Any) -> None:
     """Every rule's arguments and every function's import, before SFT spends its minutes; a
     reward model given by path must exist."""
-    from rlflow.engine.models import resolve_model_path
-    from rlflow.engine.reward_rules import make_rule
-    from rlflow.engine.scoring import load_function
+    from rlflow.engine.models.loading import resolve_model_path
+    from rlflow.engine.rewards.rules import make_rule
+    from rlflow.engine.rewards.user_functions import load_function
 
     for source in config.reward.sources:
         if source.type == "function":
@@ -190,8 +195,8 @@ def check_lora(config: Any) -> None:
     if config.model.lora is None:
         return
     import torch
-    from rlflow.engine.lora import lora_modules
-    from rlflow.engine.models import load_model_config
+    from rlflow.engine.models.lora import lora_modules
+    from rlflow.engine.models.loading import load_model_config
     from transformers import AutoModelForCausalLM
 
     trust = config.model.trust_remote_code
@@ -226,8 +231,8 @@ def check_preference_sources(config: Any, reward_model: bool) -> None:
 def check_inputs(config: Any) -> None:
     """Fail fast on inputs the planned stages need: devices, model paths, data files (parsed in
     full; SFT and preference files only where a stage reads them), and where checkpoints go."""
-    from rlflow.engine.data import load_preference_pairs, load_prompts, load_sft_examples
-    from rlflow.engine.scoring import load_function
+    from rlflow.engine.data.records import load_preference_pairs, load_prompts, load_sft_examples
+    from rlflow.engine.rewards.user_functions import load_function
 
     check_devices(config)
     check_backend(config)

@@ -8,9 +8,9 @@ import base64
 import html
 from typing import Any
 
-from rlflow.engine.checkpoint import CheckpointStore, stage_prefix
-from rlflow.engine.config import Config
-from rlflow.engine.round_stages import RESULTS_FILE
+from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
+from rlflow.engine.config.schema import Config
+from rlflow.engine.stages.label_eval import RESULTS_FILE
 from rlflow.flows.compare import TABLE_COLUMNS, RoundRecord, format_cell, collect, plot_curves
 
 STYLE = """

@@ -20,15 +20,16 @@ from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run
 from prefect.states import Crashed
 
-from rlflow.engine.run_lock import RunLock
-from rlflow.engine.config import Config, build_config
-from rlflow.engine.secrets import merge_trees, shown_url
+from rlflow.engine.storage.lock import RunLock
+from rlflow.engine.config.schema import Config, build_config
+from rlflow.engine.config.secrets import merge_trees, redacted_dict, shown_url
 from rlflow.flows.plan import read_run_file
 from rlflow.flows.compare import format_cell
 from rlflow.flows.report import build_report
 from rlflow.flows.rounds import RoundPlanner, lineage_tags, run_round
 from rlflow.tasks.stages import StageResult
 from rlflow.tasks.tracking import RunTracker, register_policy, registered_model_name, resolve_tracking_uri
+from rlflow.engine.config.secrets import SECRETS_ENV
 
 SUMMARY_KEYS = (
     "rm_accuracy",
@@ -81,7 +82,6 @@ def mark_stale_flow_runs_crashed(run_name: str) -> list[str]:
     return [str(r.id) for r in stale]
 
 
-SECRETS_ENV = "RLFLOW_SECRETS"  # JSON tree of the redacted config values; never a flow parameter
 
 
 @flow(name="rlhf", flow_run_name="{config[run][name]}", result_serializer="json")  # never pickle
@@ -104,10 +104,10 @@ def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: st
             )
         uri = settle_tracking_uri(cfg, logger)
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"uri": uri})})
-        config = {**config, "tracking": {**config.get("tracking", {}), "uri": uri}}
-        write_run_file(cfg, "config.yaml", yaml.safe_dump(config, sort_keys=False))  # redacted: for `rlflow status`
+        public = redacted_dict(cfg)  # what is stored from here on (config.yaml, MLflow params): from cfg alone
+        write_run_file(cfg, "config.yaml", yaml.safe_dump(public, sort_keys=False))  # for `rlflow status`
         tracker = RunTracker(uri, cfg.tracking.experiment)
-        parent = tracker.parent_run(cfg.run.name, config)
+        parent = tracker.parent_run(cfg.run.name, public)
         tracker.mark_crashed_children(parent)
         try:
             rows, policy = run_rounds(cfg, parent, logger, tracker)

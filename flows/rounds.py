@@ -12,12 +12,12 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from rlflow.engine.config import Config
-from rlflow.engine.data import fingerprint_file
-from rlflow.engine.models import model_fingerprint
-from rlflow.engine.round_stages import PAIRS_EVAL_FILE, PAIRS_FILE
-from rlflow.engine.secrets import redact
-from rlflow.engine.stage import compute_identity
+from rlflow.engine.config.schema import Config
+from rlflow.engine.data.records import fingerprint_file
+from rlflow.engine.models.identity import model_fingerprint
+from rlflow.engine.stages.label_eval import PAIRS_EVAL_FILE, PAIRS_FILE
+from rlflow.engine.config.secrets import redact
+from rlflow.engine.stages.lifecycle import compute_identity
 from rlflow.flows.breach import settle_breaches
 from rlflow.tasks.stages import (
     StageResult,
@@ -126,7 +126,7 @@ def run_round(
         spec = planner.spec(
             "label",
             r,
-            {"label": _label_section(c), "ppo_sampling": _sampling(c)},
+            {"label": _label_section(c), "sampling": c.sampling},
             {"policy": _input_id(policy)},
             ("prompts",),
         )
@@ -137,13 +137,13 @@ def run_round(
         final = dpo_stage(c, planner, r, policy, reference, fresh)
     else:
         rm = reward_model_stage(c, planner, r, sft, labels) if c.reward.learned else None
-        reference = sft if c.ppo.reference == "sft" else policy
+        reference = sft if c.kl.reference == "sft" else policy
         final = rl_stage(c, planner, r, policy, reference, sft, rm)
     upstream = (("policy", policy), ("reference", reference), ("sft", sft)) + ((("rm", rm),) if rm else ())
     eval_spec = planner.spec(
         "eval",
         r,
-        {"eval": c.eval, "gold": c.gold, "sampling": _sampling(c), "model": model_section_of(c)},
+        {"eval": c.eval, "gold": c.gold, "sampling": c.sampling, "model": model_section_of(c)},
         {k: _input_id(v) for k, v in upstream + (("final", final),)},
         ("eval_prompts",),
     )
@@ -169,6 +169,9 @@ def rl_stage(
         r,
         {
             "ppo": c.ppo.model_dump(exclude={"log_every"}),
+            # The breaker's keys are not: continuing a paused stage with a new limit is the same stage.
+            "kl": c.kl.model_dump(exclude={"pause_above", "pause_patience"}),
+            "sampling": c.sampling,
             "algorithm": c.algorithm,
             "rollout_n": c.rollout.n,
             "reward_sources": [s.model_dump(mode="json") for s in c.reward.sources],
@@ -255,9 +258,6 @@ def human_label_files(config: Config, round_index: int) -> dict[str, str]:
             found[url] = fingerprint_file(url, config.data.storage_options)
     return found
 
-
-def _sampling(c: Config) -> dict[str, Any]:
-    return {"temperature": c.ppo.temperature, "top_p": c.ppo.top_p, "max_new_tokens": c.ppo.max_new_tokens}
 
 
 def _summary_row(r: int, rm: StageResult | None, evaluation: StageResult) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def build_model(root: Path) -> tuple[str, int]:
     """Demo tokenizer and data, and a Qwen2-0.5B-shaped model with random weights in HF layout."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlflow.engine.demo_task import make_demo_assets
+    from rlflow.engine.tasksets.demo import make_demo_assets
 
     assets = make_demo_assets(root, seed=0)
     config = Qwen2Config(
@@ -70,13 +70,16 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no GPU is visible (torch.cuda.is_available() is False)")
-    from rlflow.engine.backend import make_runtime
-    from rlflow.engine.config import EngineConfig, RolloutConfig, build_config
-    from rlflow.engine.data import load_prompts
-    from rlflow.engine.evaluation import encode_prompt_set
-    from rlflow.engine.ppo import make_controller, ppo_step
-    from rlflow.engine.ppo_stage import PPOInputs, load_ppo_models
-    from rlflow.engine.rollout_service import RolloutService
+    from rlflow.engine.backend.factory import make_runtime
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.config.execution import RolloutConfig
+    from rlflow.engine.config.execution import EngineConfig
+    from rlflow.engine.data.records import load_prompts
+    from rlflow.engine.stages.evaluation import encode_prompt_set
+    from rlflow.engine.stages.rl.step import make_controller, ppo_step
+    from rlflow.engine.stages.rl.experience import Objective
+    from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
+    from rlflow.engine.rollout.service import RolloutService
 
     t0 = time.monotonic()
     peak_tflops = matmul_tflops()
@@ -85,8 +88,8 @@ def main() -> None:
     cfg = build_config(
         {
             "model": {"path": model_dir, "dtype": "bfloat16", "attn_implementation": "sdpa"},
-            "ppo": {"rollout_batch": args.rollout_batch, "mini_batch": args.rollout_batch // 2, "epochs": 1,
-                    "max_new_tokens": args.new_tokens, "temperature": 1.0},
+            "ppo": {"rollout_batch": args.rollout_batch, "mini_batch": args.rollout_batch // 2, "epochs": 1},
+            "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0},
         },
         "gpu_check",
     )  # fmt: skip
@@ -95,10 +98,10 @@ def main() -> None:
     models = load_ppo_models(inputs, cfg.model, cfg.ppo, lambda *a, **k: 0.0, runtime)
     records = load_prompts(str(work / "data" / "prompts.jsonl"))
     prompts, _, _ = encode_prompt_set(models.tokenizer, records, 64, "truncate", "prompts")
-    controller, steps = make_controller(cfg.ppo), []
+    controller, steps = make_controller(cfg.kl), []
     torch.cuda.reset_peak_memory_stats()
     for step in range(1, args.steps + 1):
-        metrics = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, args.rollout_batch)
+        metrics = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, args.rollout_batch, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
         steps.append(metrics)
     peak_gb = torch.cuda.max_memory_allocated() / 2**30
     measured = steps[1:] or steps  # the first step pays warm-up costs

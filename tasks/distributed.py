@@ -1,6 +1,6 @@
 """Running a training stage as a distributed job from a Prefect task (engine.backend: deepspeed).
 
-The task writes a spec, starts the launcher (torchrun or DeepSpeed's) with `rlflow.engine.worker`
+The task writes a spec, starts the launcher (torchrun or DeepSpeed's) with `rlflow.engine.stages.worker`
 on every rank, streams the ranks' output into the task's logger, replays rank 0's metric events
 into the stage's sinks (console, MLflow), and reads rank 0's outcome back. Any rank failing
 raises DistributedJobError with that rank's last log lines, which fails the task.
@@ -19,17 +19,18 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from rlflow.engine.breaker import Breach
-from rlflow.engine.config import Config
-from rlflow.engine.secrets import REDACTED, secret_strings, split_secrets
-from rlflow.engine.launch import DistributedJobError, build_launch_command, free_port, rank_env, run_distributed
-from rlflow.engine.metrics import MetricsSink, replay_event
-from rlflow.engine.placement import devices_for
+from rlflow.engine.config.schema import Config
+from rlflow.engine.config.secrets import REDACTED, secret_strings, split_secrets
+from rlflow.engine.backend.launch import DistributedJobError, build_launch_command, free_port, rank_env
+from rlflow.engine.backend.supervise import run_distributed
+from rlflow.engine.telemetry.metrics import MetricsSink, replay_event
+from rlflow.engine.backend.placement import devices_for
 from rlflow.engine.errors import StagePreempted
-from rlflow.engine.stage import StageOutcome
-from rlflow.engine.worker import SECRETS_ENV, StageCall, write_spec
+from rlflow.engine.stages.context import StageOutcome
+from rlflow.engine.stages.worker import StageCall, write_spec
+from rlflow.engine.config.secrets import SECRETS_ENV
 
-WORKER_MODULE = "rlflow.engine.worker"
+WORKER_MODULE = "rlflow.engine.stages.worker"
 
 
 def secret_values(secret_tree: Any) -> list[str]:
@@ -83,9 +84,7 @@ def launch_training_stage(config: Config, call: StageCall, sink: MetricsSink, lo
                 raise StagePreempted(f"round {call.round_index} {call.stage}: {last}") from None
             raise
         with fsspec.open(outcome_path, "r", **config.run.storage_options) as f:
-            outcome = json.load(f)
-    breach = Breach(**outcome["breach"]) if outcome.get("breach") else None  # a KL breach or reward failure
-    return StageOutcome(**{**outcome, "changed_keys": tuple(outcome.get("changed_keys", ())), "breach": breach})
+            return StageOutcome.model_validate_json(f.read())
 
 
 @contextlib.contextmanager

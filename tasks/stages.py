@@ -7,7 +7,6 @@ fingerprints), so a re-run shows finished stages as Cached; the engine still che
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
 import os
 from typing import Any, Callable
@@ -17,22 +16,28 @@ from prefect.context import TaskRunContext
 from prefect.transactions import get_transaction
 from pydantic import BaseModel, ConfigDict
 
-from rlflow.engine.breaker import Breach, StageOverrides
-from rlflow.engine.checkpoint import CheckpointStore, model_location, stage_prefix
-from rlflow.engine.config import Config
+from rlflow.engine.stages.breaker import StageOverrides
+from rlflow.engine.storage.checkpoint import CheckpointStore, model_location, stage_prefix
+from rlflow.engine.config.schema import Config
 from rlflow.engine.errors import StagePreempted
-from rlflow.engine.launch import DistributedJobError
-from rlflow.engine.metrics import FanoutSink, MetricsSink
-from rlflow.engine.progress import CallbackSink, EventLogSink, StopRequest, console_sink, events_path
-from rlflow.engine.backend import Runtime
-from rlflow.engine.placement import devices_for
-from rlflow.engine.ppo_stage import PPOInputs
-from rlflow.engine.reward_source import FALLBACK_METRIC
-from rlflow.engine.round_stages import EvalInputs, run_eval_stage, run_label_stage
-from rlflow.engine.rollout import SamplingParams
-from rlflow.engine.scoring import load_bound_function, load_function
-from rlflow.engine.stage import StageContext, StageOutcome, set_threads
-from rlflow.engine.worker import NOT_RETRIED, StageCall, make_context, run_stage_call
+from rlflow.engine.backend.launch import DistributedJobError
+from rlflow.engine.telemetry.metrics import FanoutSink, MetricsSink
+from rlflow.engine.telemetry.progress import CallbackSink, EventLogSink, StopRequest, console_sink, events_path
+from rlflow.engine.backend.runtime import Runtime
+from rlflow.engine.backend.placement import devices_for
+from rlflow.engine.stages.rl.stage import PPOInputs
+from rlflow.engine.rewards.sources import FALLBACK_METRIC
+from rlflow.engine.stages.label_eval import (
+    EvalInputs,
+    EvalStageInputs,
+    LabelStageInputs,
+    run_eval_stage,
+    run_label_stage,
+)
+from rlflow.engine.rewards.user_functions import load_bound_function, load_function
+from rlflow.engine.stages.context import StageContext, StageOutcome
+from rlflow.engine.stages.lifecycle import set_threads
+from rlflow.engine.stages.worker import NOT_RETRIED, StageCall, make_context, run_stage_call
 from rlflow.tasks.distributed import launch_training_stage
 from rlflow.tasks.tracking import RunTracker, resolve_tracking_uri
 
@@ -54,20 +59,12 @@ PROGRESS_KEYS = {
 }
 
 
-class StageResult(BaseModel):
-    """What a task returns (and Prefect persists as JSON): never tensors."""
+class StageResult(StageOutcome):
+    """What a task returns (and Prefect persists as JSON): the engine's outcome and the stage's
+    MLflow run; never tensors. A breach means PPO stopped for an operator: not finished
+    (flows/breach.py handles it)."""
 
-    model_config = ConfigDict(frozen=True)
-
-    stage: str
-    round_index: int
-    step: int
-    checkpoint_uri: str
-    manifest_sha256: str
-    metrics: dict[str, float]
     mlflow_run_id: str | None = None
-    resumed_from: int | None = None
-    breach: Breach | None = None  # PPO stopped for an operator: not finished (flows/breach.py handles it)
 
 
 class StageSpec(BaseModel):
@@ -87,7 +84,7 @@ def retryable(task: Any, task_run: Any, state: Any) -> bool:
     rank, a flaky store), never an input error, a preemption (the machine is going away) or
     non-finite updates (deterministic: they would recur)."""
     exc = state.result(raise_on_failure=False)
-    if isinstance(exc, DistributedJobError):  # a rank's exit code says (engine/worker.py)
+    if isinstance(exc, DistributedJobError):  # a rank's exit code says (engine/stages/worker.py)
         return exc.exit_code not in (2, StagePreempted.exit_code)
     return not isinstance(exc, (*NOT_RETRIED, StagePreempted))
 
@@ -109,7 +106,8 @@ def output_exists(config: Config, result: StageResult) -> bool:
 
 def _call(config: Config, spec: StageSpec, **inputs: Any) -> StageCall:
     prefix = stage_prefix(config.run.root, config.run.name, spec.round_index, spec.stage)
-    return StageCall(spec.stage, prefix, spec.round_index, spec.identity, spec.identity_tree, **inputs)
+    where = {"stage": spec.stage, "store_url": prefix, "round_index": spec.round_index}
+    return StageCall(**where, identity=spec.identity, identity_tree=spec.identity_tree, **inputs)
 
 
 def _run_tracked(
@@ -157,17 +155,7 @@ def _run_tracked(
     tracker.finish(run_id, "FINISHED" if outcome.breach is None else "KILLED")
     if outcome.breach is not None:
         _keep_out_of_cache()
-    return StageResult(
-        stage=outcome.stage,
-        round_index=outcome.round_index,
-        step=outcome.step,
-        checkpoint_uri=outcome.checkpoint_uri,
-        manifest_sha256=outcome.manifest_sha256,
-        metrics=outcome.metrics,
-        mlflow_run_id=run_id,
-        resumed_from=outcome.resumed_from,
-        breach=outcome.breach,
-    )
+    return StageResult(**dict(outcome), mlflow_run_id=run_id)
 
 
 def stage_sinks(
@@ -226,14 +214,16 @@ def label_task(config: Config, spec: StageSpec, policy_uri: str) -> StageResult:
         None,
         lambda ctx: run_label_stage(
             ctx,
-            model_location(policy_uri, config.run.storage_options),
-            config.model,
-            config.data,
-            sampling_of(config),
-            labeller,
-            config.label.labeller.kwargs,
-            config.label.prompts_per_round,
-            config.label.eval_fraction,
+            LabelStageInputs(
+                policy_path=model_location(policy_uri, config.run.storage_options),
+                model=config.model,
+                data=config.data,
+                sampling=config.sampling.params(),
+                labeller=labeller,
+                labeller_kwargs=config.label.labeller.kwargs,
+                n_prompts=config.label.prompts_per_round,
+                eval_fraction=config.label.eval_fraction,
+            ),
         ),
     )
 
@@ -305,7 +295,7 @@ def ppo_task(
         config,
         spec,
         config.ppo.steps,
-        ppo_inputs=dataclasses.asdict(ppo_inputs),
+        ppo_inputs=ppo_inputs,
         rollout_devices=devices,
         overrides=overrides or StageOverrides(),
     )
@@ -324,15 +314,12 @@ def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: Stage
         score_norm=None if rm is None else score_norm_of(rm),
     )
     gold = load_bound_function(config.gold, "gold.fn")
+    sampling = config.sampling.params(greedy=config.eval.greedy)
+    stage_inputs = EvalStageInputs(eval_inputs, config.model, config.data, config.eval, sampling, gold)
     return _run_tracked(
         config,
         spec,
         None,
-        lambda ctx: run_eval_stage(
-            ctx, eval_inputs, config.model, config.data, config.eval, config.eval.sampling(config.ppo), gold
-        ),
+        lambda ctx: run_eval_stage(ctx, stage_inputs),
     )
 
-
-def sampling_of(config: Config) -> SamplingParams:
-    return SamplingParams(config.ppo.temperature, config.ppo.top_p, config.ppo.max_new_tokens)

@@ -30,7 +30,7 @@ from mlflow.utils.validation import (
     MAX_TAG_VAL_LENGTH,
 )
 
-from rlflow.engine.secrets import flatten, redact
+from rlflow.engine.config.secrets import flatten, redact
 
 log = logging.getLogger(__name__)
 

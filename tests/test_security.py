@@ -1,10 +1,10 @@
 """Nothing is unpickled and no remote code runs unless the config turns it on: checked over the
-source (the whole-run secret sweep is in tests/flows/test_pipeline.py)."""
+source (the whole-run secret sweep is in tests/scenarios/test_pipeline.py)."""
 
 import ast
 from pathlib import Path
 
-from rlflow.engine.config import Config
+from rlflow.engine.config.schema import Config
 
 ROOT = Path(__file__).parents[1]
 SOURCES = [p for folder in ("engine", "tasks", "flows", "bench") for p in sorted((ROOT / folder).rglob("*.py"))]

@@ -1,0 +1,204 @@
+"""Config sections of how a run executes: checkpoints and resume, per-stage policies, safety
+guards and alerts, tracking, the engine and its resources, the rollout worker and GPU placement.
+Assembled into `Config` by engine/config/schema.py."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlflow.engine.config.base import Section
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(10, ge=1)
+    """Training stages commit a checkpoint every this many steps (and at their last)."""
+    keep_last: int = Field(2, ge=1)
+    """Newest committed checkpoints kept per stage; older ones are pruned (a stage's final step and
+    keep_best's step stay)."""
+    consolidate_every: int = Field(5, ge=1)
+    """Every n-th checkpoint (and a stage's last) also holds whole HF model directories; the others
+    hold only per-rank optimizer shards with fp32 master weights (a 70B policy is 140 GB each time)."""
+    keep_best: str | None = None
+    """A metric of PPO's evaluations, e.g. "eval/rm_score": the best evaluated step is never pruned."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether keep_best's best is its max or its min ("min" for losses and KL)."""
+    mirror: str | None = None
+    """A second copy of every committed step (any fsspec URL), written in the background; None: none."""
+    mirror_storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options of the mirror (its credentials)."""
+    mirror_retries: int = Field(8, ge=0)
+    """Retries of each file copy before the step is tried again later."""
+    mirror_backoff_s: float = Field(1.0, gt=0)
+    """First retry delay in seconds; doubles up to 60 s."""
+    preempt_grace_s: float = Field(120.0, gt=0)
+    """SIGTERM (spot reclaim, pod eviction): checkpoint at the next step boundary within this time (s)."""
+
+
+class ResumeConfig(Section):
+    allow_config_change: bool = False
+    """Continue a stage whose identity changed (config, inputs or data); the changed keys become
+    MLflow tags. Off: a changed finished stage is an error."""
+
+
+class StagePolicy(Section):
+    """How Prefect runs a stage: retries (each resumes from the last checkpoint) and the watchdog."""
+
+    retries: int | None = Field(None, ge=0)
+    """Prefect retries of this stage; None: stage.retries."""
+    retry_delay_s: float | None = Field(None, ge=0)
+    """Seconds between its retries; None: stage.retry_delay_s."""
+    hang_timeout_s: float | None = Field(None, gt=0)
+    """No step finished for this long (s): stacks dumped, stage failed; None: stage.hang_timeout_s."""
+
+
+class StageConfig(Section):
+    retries: int = Field(0, ge=0)
+    """Prefect retries of a failed stage; each resumes from its last checkpoint."""
+    retry_delay_s: float = Field(10.0, ge=0)
+    """Seconds between a stage's retries."""
+    hang_timeout_s: float | None = Field(3600.0, gt=0)
+    """Watchdog of the training stages (sft, rm, ppo, dpo): no step finished for this long (s), stacks
+    dumped and the stage fails; None: no watchdog."""
+    sft: StagePolicy = Field(default_factory=StagePolicy)
+    """Overrides for the sft stage, e.g. stage.sft.retries=3; unset keys inherit stage.*."""
+    label: StagePolicy = Field(default_factory=StagePolicy)
+    """Overrides for the label stage; unset keys inherit stage.*."""
+    rm: StagePolicy = Field(default_factory=StagePolicy)
+    """Overrides for the reward-model stage; unset keys inherit stage.*."""
+    ppo: StagePolicy = Field(default_factory=StagePolicy)
+    """Overrides for the RL stage (every algorithm but dpo); unset keys inherit stage.*."""
+    dpo: StagePolicy = Field(default_factory=StagePolicy)
+    """Overrides for the dpo stage; unset keys inherit stage.*."""
+    eval: StagePolicy = Field(default_factory=StagePolicy)
+    """Overrides for the eval stage; unset keys inherit stage.*."""
+
+    def policy(self, stage: str) -> StagePolicy:
+        """The effective retries, retry delay and hang timeout of one stage."""
+        override: StagePolicy = getattr(self, stage)
+        pick = lambda name: getattr(self, name) if getattr(override, name) is None else getattr(override, name)
+        return StagePolicy(**{name: pick(name) for name in StagePolicy.model_fields})
+
+
+class SafetyConfig(Section):
+    """Guards while training."""
+
+    max_nonfinite_skips: int = Field(3, ge=0)
+    """Consecutive skipped non-finite updates before the stage stops."""
+    pause_timeout_s: float = Field(86400.0, gt=0)
+    """How long a paused run (KL breach, reward failure) waits for an operator before it fails (s)."""
+
+
+class AlertsConfig(Section):
+    webhook_url: str | None = None
+    """JSON POST on a KL breach or reward failure (the URL may hold a token); None: no alerts."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """HTTP headers of the POST, e.g. Authorization."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Timeout of the POST in seconds (a failed alert only warns)."""
+
+
+class TrackingConfig(Section):
+    uri: str | None = None
+    """MLflow tracking URI; None: $MLFLOW_TRACKING_URI, else sqlite:///{root}/mlflow.db."""
+    experiment: str = "rlflow"
+    """MLflow experiment name."""
+
+
+class EngineConfig(Section):
+    """How every stage trains: one process (torch) or a DeepSpeed ZeRO job, and how batches are cut."""
+
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """torch: one process; deepspeed: a DeepSpeed ZeRO job (needed for more than one process)."""
+    zero_stage: Literal[1, 2, 3] = 2
+    """ZeRO stage; deepspeed only."""
+    offload_optimizer: bool = False
+    """ZeRO optimizer state in CPU memory."""
+    offload_params: bool = False
+    """ZeRO-3 parameters in CPU memory (needs zero_stage 3)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """DeepSpeed's training precision; auto: bf16 on GPU, fp32 on CPU (the torch backend trains in model.dtype)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Rows per forward pass per rank; None: all at once."""
+    max_tokens_per_microbatch: int | None = Field(None, ge=8)
+    """Padding-free dynamic batching: micro-batches hold at most this many real tokens per rank."""
+    packing: bool = False
+    """SFT and reward model: concatenate a micro-batch's sequences into one row (no padding at all)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (less memory, more compute)."""
+    offload_frozen_models: bool = False
+    """Reference and reward models wait in CPU memory between phases (on a GPU)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"engine.offload_params needs engine.zero_stage=3 (got {self.zero_stage})")
+        return self
+
+
+class ResourcesConfig(Section):
+    """Where a stage runs: processes per node and nodes (deepspeed backend only above one process)."""
+
+    nproc_per_node: int = Field(1, ge=1, le=64)
+    """Processes (ranks) per node of a training stage's job."""
+    nnodes: int = Field(1, ge=1, le=1024)
+    """Nodes of a training stage's job."""
+    node_rank: int = Field(0, ge=0)
+    """This machine's rank when each node runs its own launcher (torchrun)."""
+    hostfile: str | None = None
+    """DeepSpeed/MPI style "host slots=N" lines (launcher deepspeed only)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where the job's ranks meet."""
+    master_port: int | None = Field(None, ge=1, le=65535)
+    """Port of node 0 where the ranks meet; None: a free port (multi-node torchrun needs one set)."""
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    """torchrun: one launcher per node (node_rank tells them apart); deepspeed: DeepSpeed's runner on node 0
+    starts the hosts of the hostfile over pdsh/ssh (see infra/multinode.md)."""
+    gpu_type: str | None = None
+    """The accelerator type, a device name of configs/prices.yaml (e.g. a100-80g); read only by
+    `rlflow estimate` (None: this machine's CPU). Not part of any stage's identity."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class RolloutConfig(Section):
+    """Where responses are sampled, and how the sampler's weights are kept in step with training."""
+
+    mode: Literal["colocated", "server"] = "colocated"
+    """colocated: the trainer samples with its own policy; server: a separate worker process samples and
+    gets the actor's weights after every step."""
+    server_backend: Literal["hf", "vllm"] = "hf"
+    """The worker of mode server: transformers (hf) or vLLM."""
+    generate_batch: int = Field(32, ge=1)
+    """Sequences sampled together under one seed (world-size independent)."""
+    n: int = Field(1, ge=1, le=1024)
+    """Samples per prompt (a group: GRPO and RLOO need n >= 2)."""
+    bucket_mb: float = Field(256.0, gt=0)
+    """Weight-sync bucket size (MB): a sync costs one round trip per bucket."""
+    check_fingerprint: bool = True
+    """Compare the sha256 fingerprints of the trainer's and the worker's weights after every sync; a
+    mismatch stops the run."""
+    probe_rows: int = Field(4, ge=1)
+    """Worker samples whose log-probs probe_weight_sync (engine/rollout/server.py) recomputes after a
+    sync. Unused by the RL stage, which checks the log-probs of every sampled row."""
+    max_logprob_diff: float = Field(1e-3, gt=0)
+    """Largest |trainer - worker| log-prob difference of a sampled token after a sync, in nats; above
+    it the run stops."""
+    vllm_python: str = ".venv-vllm/bin/python"
+    """Interpreter of the separate vLLM environment."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """How long the rollout worker may take to become ready, in seconds."""
+
+
+class PlacementConfig(Section):
+    """GPU indices per role; None everywhere: all roles colocated on all visible GPUs."""
+
+    train: list[int] | None = None
+    """GPUs of the training ranks, as indices into the visible GPUs (after CUDA_VISIBLE_DEVICES
+    renumbering); None: every visible GPU."""
+    rollout: list[int] | None = None
+    """GPUs of the rollout worker (rollout.mode=server), as indices into the visible GPUs; None: every
+    visible GPU."""

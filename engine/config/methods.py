@@ -1,0 +1,152 @@
+"""Config sections of the training method: the RL algorithm, DPO and the reward sources.
+
+Kept apart from engine/config/schema.py (run, data, engine and stage sections) so that each file stays
+one idea; `Config` composes both.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from rlflow.engine.config.base import FunctionRef, Section, SupervisedSection, function_ref, one_of
+
+# The policy-gradient estimators (engine/algorithms/advantages.py ADVANTAGE_ESTIMATORS) and DPO, which
+# replaces the reward-model and RL stages of a round.
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "dpo")
+
+
+class AlgorithmConfig(Section):
+    """Which method trains the policy each round (one key to switch: algorithm.name)."""
+
+    name: Annotated[str, one_of(ALGORITHMS, "algorithm.name")] = "ppo"
+    """The method: ppo, grpo, rloo, reinforce_pp (policy-gradient estimators of the RL stage) or dpo
+    (replaces the round's reward-model and RL stages); see docs/algorithms.md."""
+    norm_std: bool = True
+    """GRPO: divide each group's centred scores by the group's std (Dr. GRPO sets this off)."""
+
+    @property
+    def critic_free(self) -> bool:
+        return self.name in ("grpo", "rloo", "reinforce_pp")
+
+
+class DPOConfig(SupervisedSection):
+    """Direct Preference Optimisation (Rafailov et al. 2023) as a round's training stage."""
+
+    beta: float = Field(0.1, gt=0)
+    """DPO's temperature β: the strength of the implicit KL to the reference."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO: the assumed label-flip rate; 0: plain DPO."""
+    rpo_alpha: float = Field(0.0, ge=0)
+    """Weight of the chosen answers' per-token NLL (RPO); 0: plain DPO, 1 is recommended for online DPO."""
+    reference: Literal["sft", "round_start"] = "round_start"
+    """The reference policy: the round's SFT policy (sft) or the policy the round starts from
+    (round_start)."""
+    include_offline: bool = True
+    """Online rounds: train on data.preferences besides the round's fresh pairs."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the round's preference pairs."""
+    lr: float = Field(5e-5, gt=0)
+    """Peak learning rate (AdamW): linear warmup, then cosine decay to 10% of it at the last step."""
+    warmup_steps: int = Field(5, ge=0)
+    """Optimizer steps of linear learning-rate warmup."""
+    log_every: int = Field(5, ge=1)
+    """Log metrics every this many steps."""
+
+
+RULE_TYPES = ("keyword", "regex", "length", "format", "exact_match", "gym")
+SOURCE_TYPES = ("model", "function", *RULE_TYPES)
+
+
+class RewardSourceConfig(Section):
+    """One term of the reward: weight x score. `type` chooses what computes the score:
+
+    model: a learned reward model (`path` null: the round's reward-model stage; else a folder);
+    function: `fn` ("module:function", `(prompt, response, **fields) -> float`) with `kwargs`;
+    keyword / regex / length / format / exact_match: built-in rules with `kwargs`
+    (engine/rewards/rules.py documents each rule's arguments);
+    gym: the prompt row's reasoning-gym verifier (engine/tasksets/gym.py gym_rule).
+    `on_error` overrides reward.on_error for this source; a gym source skips by default (a
+    malformed answer or a verifier's failure scores 0 and is counted, never stops the run).
+    """
+
+    name: str
+    """The source's name (letters, digits, '_', '-', '.'), unique: its metrics are reward/<name>/..."""
+    type: Annotated[str, one_of(SOURCE_TYPES, "reward source type")]
+    """What computes the score: model, function, keyword, regex, length, format, exact_match or gym."""
+    weight: float = 1.0
+    """The score's weight in the reward (sum of weight x score over the sources)."""
+    path: str | None = None
+    """Type model only: a reward-model folder (raw scores); None: the round's reward-model stage
+    (scores normalised by its mean and std)."""
+    fn: str | None = None
+    """Type function only: "module:function", called as `(prompt, response, **fields, **kwargs) -> float`."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the function, or of the rule (engine/rewards/rules.py documents each rule's;
+    gym: extract answer_tag, last_number or full, and credit exact or partial)."""
+    on_error: Literal["fail", "skip"] | None = None
+    """Overrides reward.on_error for this source; None: reward.on_error (a gym source: skip)."""
+
+    def error_policy(self, default: str) -> str:
+        """This source's effective on_error, given reward.on_error."""
+        return self.on_error or ("skip" if self.type == "gym" else default)
+
+    @field_validator("name")
+    @classmethod
+    def _metric_safe(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c in "_-." for c in value):
+            raise ValueError(f"reward source name {value!r} must be letters, digits, '_', '-' or '.'")
+        return value
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> RewardSourceConfig:
+        if self.type == "function":
+            if self.fn is None:
+                raise ValueError(f"reward source {self.name!r} (type function) needs fn: 'module:function'")
+            function_ref(self.fn)
+        elif self.fn is not None:
+            raise ValueError(f"reward source {self.name!r}: fn is only for type function, not {self.type!r}")
+        if self.path is not None and self.type != "model":
+            raise ValueError(f"reward source {self.name!r}: path is only for type model, not {self.type!r}")
+        return self
+
+
+def _default_sources() -> list[RewardSourceConfig]:
+    return [RewardSourceConfig(name="rm", type="model")]
+
+
+class RewardConfig(Section):
+    """What the RL stage's reward is made of, and what happens when a source fails."""
+
+    sources: list[RewardSourceConfig] = Field(default_factory=_default_sources)
+    """The terms of the reward (see docs/rewards.md): a sample's score is sum of weight x score."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Time limit of each call of a function or rule, in seconds."""
+    on_error: Literal["fail", "skip"] = "fail"
+    """A function that raises, returns a non-finite value or times out: stop with an error naming
+    it and the sample (fail), or score that sample 0 for this source and count it (skip)."""
+    workers: int = Field(2, ge=1, le=256)
+    """Processes that run the function and rule sources."""
+    on_failure: Literal["pause", "fallback_rule", "fail"] = "pause"
+    """When the learned reward model itself fails (non-finite scores): pause (the run waits for an
+    operator at a committed checkpoint), fallback_rule (reward.fallback_rule scores the rest of the
+    stage) or fail."""
+    fallback_rule: FunctionRef | None = None
+    """The rule reward of on_failure=fallback_rule (score signature of gold.fn); it replaces the whole
+    reward, its scores standardised by the first batch it scores."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RewardConfig:
+        if self.on_failure == "fallback_rule" and self.fallback_rule is None:
+            raise ValueError("reward.on_failure=fallback_rule needs reward.fallback_rule.fn (a 'module:function')")
+        if not self.sources:
+            raise ValueError("reward.sources is empty: give at least one source (e.g. {name: rm, type: model})")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward.sources names must be unique, got {names}")
+        return self
+
+    @property
+    def learned(self) -> bool:
+        """Whether the round's own reward-model stage is one of the sources."""
+        return any(s.type == "model" and s.path is None for s in self.sources)

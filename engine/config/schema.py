@@ -1,0 +1,319 @@
+"""Typed run configuration: YAML file + `a.b=c` overrides -> validated, frozen models.
+
+Every section forbids unknown keys; errors name the file, the key path and the offending value
+and list the valid keys, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from rlflow.engine.config.base import FunctionRef, Section, function_ref
+from rlflow.engine.config.execution import (
+    AlertsConfig,
+    CheckpointConfig,
+    EngineConfig,
+    PlacementConfig,
+    ResourcesConfig,
+    ResumeConfig,
+    RolloutConfig,
+    SafetyConfig,
+    StageConfig,
+    TrackingConfig,
+)
+from rlflow.engine.config.kl import KLConfig
+from rlflow.engine.config.methods import AlgorithmConfig, DPOConfig, RewardConfig
+from rlflow.engine.config.model import ModelConfig
+from rlflow.engine.config.moved import moved_key_message
+from rlflow.engine.config.sampling import SamplingConfig
+from rlflow.engine.config.secrets import REDACTED, is_secret_path, redact_override, redacted_dict
+from rlflow.engine.config.stages import EvalConfig, LabelConfig, PPOConfig, RewardModelConfig, SFTConfig
+from rlflow.engine.config.yaml_io import locator, parse_yaml, read_text
+from rlflow.engine.errors import ConfigError
+
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class RunConfig(Section):
+    name: str | None = None
+    """The run's name (1-128 letters, digits, '.', '_' or '-', starting with a letter or digit); running
+    the same name again continues that run. None: a fresh name for every new run."""
+    seed: int = 0
+    """Seed of every random number generator (each derived from it per round, stage and step)."""
+    rounds: int = Field(2, ge=1, le=1000)
+    """Number of rounds; each runs SFT (in sft.rounds), online labels, the reward model, RL or DPO, and
+    an evaluation, as configured."""
+    root: str = "runs"
+    """fsspec URL holding checkpoints (a folder, s3://...): {root}/{name}/round_{r}/{stage}/step_{n}."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options of run.root, e.g. s3fs credentials."""
+    threads: int = Field(2, ge=1, le=512)
+    """torch CPU threads per process (a launched stage worker takes $OMP_NUM_THREADS when it is set)."""
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str | None) -> str | None:
+        if value is not None and not RUN_NAME_PATTERN.match(value):
+            raise ValueError(
+                f"run.name {value!r} is not safe for a path: use 1-128 letters, digits, '.', '_' or '-'"
+                " starting with a letter or digit"
+            )
+        return value
+
+
+class DataConfig(Section):
+    sft: str = "demo_assets/data/sft.jsonl"
+    """SFT rows (`prompt` + `response`, or chat `messages`): a JSONL, CSV or Parquet file or URL."""
+    sft_eval: str = "demo_assets/data/sft_eval.jsonl"
+    """Held-out SFT rows: SFT's eval loss (and early stopping, sft.patience)."""
+    preferences: str | None = "demo_assets/data/preferences.jsonl"
+    """Preference pairs (`prompt`, `chosen`, `rejected`) the reward model (or DPO) trains on; None:
+    online labels (label.*) only, measured with label.eval_fraction."""
+    preferences_eval: str | None = "demo_assets/data/preferences_eval.jsonl"
+    """Held-out pairs with clean gold labels: the reward model's rm/accuracy (DPO's held-out pairs too);
+    None: none."""
+    prompts: str = "demo_assets/data/prompts.jsonl"
+    """Prompts of the RL stage and of online labelling (`prompt`; other columns reach the score functions)."""
+    eval_prompts: str = "demo_assets/data/eval_prompts.jsonl"
+    """Prompts of the evaluations (during PPO and at each round's end)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options (e.g. credentials) for reading the data files."""
+    max_prompt_tokens: int = Field(64, ge=1)
+    """Prompt token limit of the RL stage, labelling and evaluation."""
+    prompt_overflow: Literal["truncate", "drop"] = "truncate"
+    """A longer prompt: truncate (keep its last max_prompt_tokens tokens) or drop; the counts are logged."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """auto: prompts (and SFT pairs) go through the tokenizer's chat template, an error if it has
+    none; none: the text as written (base models, the demo's tiny model)."""
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """The run: its name, seed and number of rounds, and where its checkpoints go."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The initial policy, how models load, and LoRA adapters."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The data files (any fsspec URL; JSONL, CSV or Parquet) and how prompts are cut."""
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    """Supervised fine-tuning, in the rounds of sft.rounds."""
+    rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    """The round's reward model (Bradley-Terry on preference pairs)."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Which method trains the policy each round."""
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    """The RL stage (PPO, GRPO, RLOO, REINFORCE++): steps, batches, learning rates and clipping."""
+    kl: KLConfig = Field(default_factory=KLConfig)
+    """The RL stage's KL to its reference: where it acts, its estimator and coefficient, and its limits."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """How the policy is sampled by rollouts, online labelling and evaluation."""
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    """Direct Preference Optimisation, the round's training stage with algorithm.name=dpo."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation during PPO and at each round's end."""
+    label: LabelConfig = Field(default_factory=LabelConfig)
+    """Online preference labels of the policy's own answers, and human labels."""
+    gold: FunctionRef = Field(default_factory=lambda: FunctionRef(fn="rlflow.engine.tasksets.demo:gold_score"))
+    """Gold score function (evaluation only): `fn(prompt, response, **fields, **kwargs)` returns a number or
+    {"score": ..., other numeric components}."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint frequency, pruning, consolidation and the mirror."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Where MLflow records the run."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """How every stage trains: one process (torch) or a DeepSpeed ZeRO job, and how batches are cut."""
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    """The distributed job of a training stage: processes per node, nodes and the launcher."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Where responses are sampled, and how the sampler's weights are kept in step with training."""
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """GPU indices per role; None everywhere: all roles colocated on all visible GPUs."""
+    resume: ResumeConfig = Field(default_factory=ResumeConfig)
+    """Continuing a stage whose identity changed."""
+    stage: StageConfig = Field(default_factory=StageConfig)
+    """How Prefect runs each stage: retries (each resumes from the last checkpoint) and the watchdog."""
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)
+    """Guards while training."""
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    """A webhook called on a KL breach or a reward failure."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """What the RL stage's reward is made of, and what happens when a source fails."""
+    callbacks: list[str] = Field(default_factory=list)
+    """The "package.module:function"s called with every logged step (engine/telemetry/progress.py StepEvent);
+    a returned {name: number} is logged as extra metrics of that step."""
+
+    @field_validator("callbacks")
+    @classmethod
+    def _function_refs(cls, refs: list[str]) -> list[str]:
+        return [function_ref(ref) for ref in refs]
+
+    @model_validator(mode="after")
+    def _lora_needs_torch_backend(self) -> Config:
+        if self.model.lora is not None and self.engine.backend != "torch":
+            raise ValueError(
+                f"model.lora needs engine.backend=torch for now (got {self.engine.backend}): LoRA adapters under"
+                " DeepSpeed ZeRO are not supported yet; set engine.backend=torch or remove model.lora"
+            )
+        if self.model.lora is not None and self.rollout.mode == "server" and self.rollout.server_backend == "vllm":
+            raise ValueError(
+                "model.lora with rollout.server_backend=vllm is not supported yet: vLLM cannot load a LoRA"
+                " checkpoint directory; use rollout.server_backend=hf or rollout.mode=colocated, or remove model.lora"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_process_unless_deepspeed(self) -> Config:
+        if self.resources.world_size > 1 and self.engine.backend != "deepspeed":
+            raise ValueError(
+                f"resources.nproc_per_node={self.resources.nproc_per_node} x resources.nnodes={self.resources.nnodes}"
+                " needs engine.backend=deepspeed (the torch backend runs one process)"
+            )
+        algorithm, n = self.algorithm.name, self.rollout.n
+        if algorithm in ("grpo", "rloo") and n < 2:
+            raise ValueError(
+                f"algorithm.name={algorithm} compares the samples of one prompt with each other: it needs"
+                f" rollout.n >= 2 samples per prompt (got {n}); e.g. rollout.n=4"
+            )
+        if algorithm in ("ppo",) and self.ppo.critic_init == "rm" and not self.reward.learned:
+            raise ValueError(
+                "ppo.critic_init=rm starts the critic from the round's reward model, but reward.sources has no"
+                " model source without a path (so no reward model is trained); set ppo.critic_init=policy or a"
+                " critic-free algorithm.name (grpo, rloo, reinforce_pp)"
+            )
+        world = self.resources.world_size
+        # Every rank needs rows in every pass (ZeRO's collectives run in each forward and backward).
+        shares = {
+            "ppo.rollout_batch x rollout.n / rollout.generate_batch chunks": -(
+                -self.ppo.rollout_batch * n // self.rollout.generate_batch
+            ),
+            "eval.num_prompts / eval.batch_size chunks": -(-self.eval.num_prompts // self.eval.batch_size),
+            "ppo.mini_batch": self.ppo.mini_batch,
+            "sft.batch_size": self.sft.batch_size,
+            "rm.batch_size": self.rm.batch_size,
+        }
+        for what, n in shares.items():
+            if n < world:
+                raise ValueError(
+                    f"{what} = {n} is less than the {world} ranks (resources): every rank needs a share;"
+                    f" make it at least {world} or use fewer ranks"
+                )
+        return self
+
+
+def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in path:
+        if isinstance(part, int):  # an item of a list of sections (reward.sources)
+            continue
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        members = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+        if len(members) == 1 and isinstance(annotation, types.UnionType):  # an optional section (model.lora)
+            annotation = members[0]
+        if getattr(annotation, "__origin__", None) is list:
+            annotation = annotation.__args__[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _show_value(value: Any) -> str:
+    """repr of a bad value, cut short: a pasted 10 000-item list must not flood the one line."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"
+
+
+def _key_text(loc: tuple[Any, ...]) -> str:
+    """A key path as typed; a key holding a newline or other control character is shown escaped."""
+    key = ".".join(str(p) for p in loc)
+    return key if key.isprintable() else repr(key)[1:-1]
+
+
+def _format_error(error: dict[str, Any], source: str) -> str:
+    loc = tuple(error["loc"])
+    key = _key_text(loc)
+    if error["type"] == "extra_forbidden":
+        if (moved := moved_key_message(loc, error.get("input"))) is not None:
+            return f"{source}: {moved}"
+        section = _section_at(loc[:-1])
+        valid = ", ".join(sorted(section.model_fields)) if section else "?"
+        where = _key_text(loc[:-1]) or "top level"
+        return f"{source}: unknown key '{key}' in {where}; valid keys: {valid}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "value_error" and isinstance(error.get("input"), dict):
+        return f"{source}: {message}"  # a check across keys of a section: its message names them
+    # A mistyped credential is still a credential: the message names the key, not the value.
+    shown = REDACTED if is_secret_path(loc) else _show_value(error.get("input"))
+    return f"{source}: invalid value for '{key}': {shown} ({message})"
+
+
+def _shown_override(text: str) -> str:
+    return repr(redact_override(text))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], c) with c parsed as a YAML scalar/list/dict."""
+    if "=" not in text or text.startswith("="):
+        raise ConfigError(f"override {_shown_override(text)} must look like key.path=value, e.g. ppo.steps=20")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: a date like 2024-13-45
+        raise ConfigError(
+            f"override {_shown_override(text)}: value is not valid YAML ({exc.__class__.__name__});"
+            " quote it, e.g. key='value'"
+        ) from None
+    return key.strip().split("."), value
+
+
+def apply_override(tree: dict[str, Any], text: str) -> None:
+    path, value = parse_override(text)
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"override {_shown_override(text)}: '{'.'.join(path[: i + 1])}' is not a section;"
+                " override one of its keys only when it is a mapping"
+            )
+        node = child
+    node[path[-1]] = value
+
+
+def build_config(tree: dict[str, Any], source: str, locate: Callable[[tuple[Any, ...]], str] | None = None) -> Config:
+    """Validate a config tree; `locate` turns an error's key path into "file:line" for messages."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise ConfigError(_format_error(error, locate(tuple(error["loc"])) if locate else source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config file and apply `a.b=c` overrides; raise ConfigError naming what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = read_text(path)
+    tree = parse_yaml(path, text)
+    if tree is None:  # an empty file: every default
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
+    tree = copy.deepcopy(tree)
+    for override in overrides:
+        apply_override(tree, override)
+    source = f"{path}" + (" (with overrides)" if overrides else "")
+    return build_config(tree, source, locator(path, text, overrides))
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(redacted_dict(config), sort_keys=False)

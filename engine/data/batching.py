@@ -1,0 +1,131 @@
+"""Turning text into padded tensors, and the deterministic order batches are drawn in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rlflow.engine.data.records import format_prompt
+from rlflow.engine.seeds import step_seed
+
+
+@dataclass(frozen=True)
+class PromptResponseIds:
+    prompt: list[int]
+    response: list[int]  # ends with EOS when the text was complete
+
+
+def encode_pair(tokenizer: Any, prompt: Any, response: str, max_tokens: int) -> PromptResponseIds:
+    """Token ids of a formatted prompt and its response + EOS, cut to max_tokens in total
+    (the prompt keeps its last tokens; the response keeps at least one token)."""
+    prompt_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    response_ids = response_ids[: max(1, max_tokens - 1)]
+    prompt_ids = prompt_ids[-max(1, max_tokens - len(response_ids)) :]
+    return PromptResponseIds(prompt_ids, response_ids)
+
+
+def right_pad(rows: Sequence[PromptResponseIds], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate prompt+response per row, right-padded.
+
+    Returns input_ids [B, T], attention_mask [B, T] and response_mask [B, T] (1 on response tokens:
+    SFT's loss positions; built from lengths, never from the pad id, so an EOS equal to the pad
+    token is still learned).
+    """
+    width = max(len(r.prompt) + len(r.response) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    response_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        n_p, n = len(r.prompt), len(r.prompt) + len(r.response)
+        ids[i, :n] = torch.tensor(r.prompt + r.response)
+        attention[i, :n] = 1
+        response_mask[i, n_p:n] = 1.0
+    return ids, attention, response_mask
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt batch for generation: input_ids [B, P], attention_mask [B, P]."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(list(r))
+        attention[i, width - len(r) :] = 1
+    return ids, attention
+
+
+def batch_indices(n_items: int, batch_size: int, step: int, *seed_parts: int) -> list[int]:
+    """Indices of the items for global step `step` (1-based): epochs are seeded permutations.
+
+    A pure function of (seed, step), so a resumed stage draws exactly the batches it would have.
+    """
+    start = (step - 1) * batch_size
+    out: list[int] = []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), n_items)
+        generator = torch.Generator().manual_seed(step_seed(*seed_parts, epoch))
+        perm = torch.randperm(n_items, generator=generator).tolist()
+        out.extend(perm[offset : offset + batch_size - len(out)])
+    return out
+
+
+def rank_shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """This rank's share of a global batch: every world_size-th item, starting at its rank."""
+    return list(indices[rank::world_size])
+
+
+def micro_batch_groups(
+    lengths: Sequence[int], max_rows: int | None, max_tokens: int | None, packed: bool = False
+) -> list[list[int]]:
+    """Cut positions 0..n-1 into micro-batches.
+
+    max_tokens: dynamic batch size; rows sorted by length are grouped while the micro-batch's
+    size stays within the budget (a longer row goes alone), so short rows travel many to a pass
+    and long ones few. The size is rows x longest row when padded, the sum of lengths when
+    `packed` (rows concatenated without padding). max_rows caps rows per micro-batch either way;
+    neither set: one micro-batch holding everything.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if max_tokens else list(range(len(lengths)))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        widest = max([lengths[j] for j in current] + [lengths[i]])
+        size = sum(lengths[j] for j in current) + lengths[i] if packed else widest * (len(current) + 1)
+        too_many = max_rows is not None and len(current) >= max_rows
+        too_big = max_tokens is not None and size > max_tokens
+        if current and (too_many or too_big):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows concatenated into one padding-free row; attention stays within each row because
+    position ids restart at 0 (transformers builds a block-diagonal causal mask from them when
+    no attention mask is given). N rows, T = their total length."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T] 0..len-1 per row
+    response_mask: torch.Tensor  # [1, T] float, 1 on response tokens
+    ends: torch.Tensor  # [N] position of each row's last token
+
+
+def pack_rows(rows: Sequence[PromptResponseIds]) -> PackedRows:
+    ids, positions, mask, ends, total = [], [], [], [], 0
+    for r in rows:
+        n = len(r.prompt) + len(r.response)
+        ids += r.prompt + r.response
+        positions += range(n)
+        mask += [0.0] * len(r.prompt) + [1.0] * len(r.response)
+        total += n
+        ends.append(total - 1)
+    return PackedRows(
+        torch.tensor([ids]), torch.tensor([positions]), torch.tensor([mask]), torch.tensor(ends, dtype=torch.long)
+    )

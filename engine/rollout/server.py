@@ -1,0 +1,493 @@
+"""Rollout as a service, trainer side: start a worker process, sample from it, push weights to it.
+
+    with RolloutClient.start("hf", model_dir, tokenizer=tokenizer) as client:
+        batch, worker_logprobs = client.rollout_batch(prompts, params, seed)   # like generate_rollouts
+        ...optimizer step...
+        stats = client.update_weights(policy.named_parameters(), bucket_mb=256)
+        probe_weight_sync(client, policy, batch, worker_logprobs, params.temperature, ...)
+
+The worker (`rollout_worker` for "hf", `rollout_worker_vllm` for "vllm") runs under its own
+interpreter and talks over a Unix socket in a private directory (docs/rollout-protocol.md). A dead
+worker is an error naming it and quoting its log, never a hang; the worker exits by itself when
+the trainer goes away.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, NoReturn, final
+
+import torch
+from rlflow.engine.errors import RlflowError
+from rlflow.engine.rollout.generate import RolloutBatch, batched_logprobs
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.models.tokens import response_mask_from_ids, stop_token_ids
+from rlflow.engine.rollout.worker import GenerateRequest, PeerClosed, recv_message, send_message
+from rlflow.engine.rollout.weight_sync import (
+    SyncCheck,
+    check_weight_sync,
+    iter_buckets,
+    pack_bucket,
+    weights_fingerprint,
+)
+
+WORKER_MODULES = {"hf": "rlflow.engine.rollout.worker", "vllm": "rlflow.engine.rollout.worker_vllm"}
+POLL_S = 0.2  # how often a waiting client checks that the worker is still alive
+LOG_TAIL_LINES = 6
+MB = 1 << 20
+
+
+class RolloutWorkerError(RlflowError):
+    """The rollout worker failed to start, died, or refused a request (the message quotes its log)."""
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight update: log seconds as timing_s/update_weights and gb_per_s as rollout/sync_gb_per_s."""
+
+    seconds: float
+    bytes: int  # tensor bytes sent (alignment padding excluded)
+    gb_per_s: float  # bytes / seconds / 1e9
+    buckets: int
+    tensors: int
+    transport: str  # "shm" or "socket"
+
+
+class Generation(NamedTuple):
+    """The worker's samples, one entry per prompt; each response ends at its EOS (kept) or the length limit."""
+
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]  # log softmax(logits / T) of each sampled token, by the worker
+
+
+class _Staging:
+    """A memfd shared with the worker: `slots` regions of slot_bytes, so packing overlaps loading."""
+
+    def __init__(self, slot_bytes: int, slots: int = 2):
+        self.slot_bytes, self.slots = slot_bytes, slots
+        self.fd = os.memfd_create("rlflow-weight-staging", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, slot_bytes * slots)
+        self.map = mmap.mmap(self.fd, slot_bytes * slots)
+        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.buffer = None
+        os.close(self.fd)
+
+
+def _cleanup(proc: subprocess.Popen, paths: list[str]) -> None:
+    """Finalizer: no orphan worker even if close() is never called."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
+    if paths:
+        try:
+            os.rmdir(os.path.dirname(paths[0]))
+        except OSError:
+            pass
+
+
+@final
+class RolloutClient:
+    """Trainer-side handle of one rollout worker process. Use `start`; close (or `with`) when done.
+
+    Not thread-safe: one request at a time (the PPO loop is sequential anyway).
+    """
+
+    def __init__(self, proc: subprocess.Popen, backend: str, log_path: str, tokenizer: Any, socket_path: str):
+        self.proc, self.backend, self.log_path, self.tokenizer = proc, backend, log_path, tokenizer
+        self.sock: socket.socket | None = None
+        self.dtype = torch.float32  # the worker's weight dtype, from its ready message
+        self.info: dict[str, Any] = {}
+        self._staging: _Staging | None = None
+        self._inline = torch.empty(0, dtype=torch.uint8)
+        self._failed: str | None = None
+        self._own_log = False  # a temp log we created: deleted by a clean close
+        self._finalizer = weakref.finalize(self, _cleanup, proc, [socket_path])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        backend: str,
+        model_dir: str,
+        python: str | None = None,
+        startup_timeout_s: float = 300.0,
+        threads: int | None = None,
+        *,
+        tokenizer: Any = None,
+        dtype: str = "float32",
+        log_path: str | None = None,
+        trust_remote_code: bool = False,
+        cuda_visible_devices: str | None = None,
+    ) -> RolloutClient:
+        """Spawn a worker on `model_dir` and wait until it has loaded the model.
+
+        python: the worker's interpreter (default: this one; for "vllm" rollout.vllm_python).
+        threads: torch CPU threads of the worker (default: this process's count, so both sides
+        compute alike). tokenizer: the trainer's (pad/EOS ids and decoding); loaded from model_dir
+        if None. log_path: the worker's stdout+stderr (default: a temp file, deleted by a clean
+        close and kept when the worker failed).
+        """
+        if backend not in WORKER_MODULES:
+            raise RolloutWorkerError(f"unknown rollout.server_backend {backend!r}; use one of {sorted(WORKER_MODULES)}")
+        python = python or sys.executable
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise RolloutWorkerError(
+                f"rollout worker interpreter {python!r} is not an executable file; for vllm run `make vllm-env`"
+                " or set rollout.vllm_python"
+            )
+        if tokenizer is None:
+            from rlflow.engine.models.loading import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir, trust_remote_code)
+        directory = tempfile.mkdtemp(prefix="rlflow-rollout-")  # mode 0700: only this user can connect
+        socket_path = os.path.join(directory, "worker.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(socket_path)
+        listener.listen(1)
+        listener.settimeout(POLL_S)
+        own_log = log_path is None
+        if own_log:
+            fd, log_path = tempfile.mkstemp(prefix="rlflow-rollout-worker-", suffix=".log")
+            os.close(fd)
+        threads = threads or torch.get_num_threads()
+        command = [python, "-m", WORKER_MODULES[backend], "--socket", socket_path, "--model-dir", str(model_dir)]
+        command += ["--parent-pid", str(os.getpid()), "--dtype", dtype, "--threads", str(threads)]
+        command += ["--trust-remote-code"] if trust_remote_code else []
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env.pop("RLFLOW_SECRETS", None)  # the worker needs no credentials
+        if cuda_visible_devices is not None:  # placement.rollout: the worker's own GPUs
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env
+            )
+        client = cls(proc, backend, log_path, tokenizer, socket_path)
+        client._own_log = own_log
+        try:
+            client._connect(listener, time.monotonic() + startup_timeout_s, startup_timeout_s)
+        except BaseException:
+            client._failed = client._failed or "start-up was interrupted"
+            client.close()
+            raise
+        finally:
+            listener.close()
+        return client
+
+    def _connect(self, listener: socket.socket, deadline: float, timeout_s: float) -> None:
+        def waiting() -> None:
+            self._check_alive("starting")
+            if time.monotonic() > deadline:
+                self._fail(f"did not become ready within {timeout_s:g} s (rollout.startup_timeout_s)")
+
+        while self.sock is None:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                waiting()
+                continue
+            if _peer_pid(conn) not in (None, self.proc.pid):
+                conn.close()  # not our child: the directory is private, so this should never happen
+                continue
+            conn.settimeout(POLL_S)
+            self.sock = conn
+        path = listener.getsockname()  # connected: nothing needs the socket's name any more
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+        try:
+            header, _ = recv_message(self.sock, on_idle=waiting)
+        except (PeerClosed, OSError):
+            self._died("starting")
+        if header.get("op") != "ready":
+            self._fail(f"sent {header.get('op')!r} instead of 'ready'")
+        self.info = header
+        self.dtype = getattr(torch, header["dtype"])
+
+    def close(self) -> None:
+        """Ask the worker to exit, wait briefly, then make sure it is gone. Idempotent."""
+        if self.sock is not None:
+            if self._failed is None and self.proc.poll() is None:
+                try:
+                    self.sock.settimeout(10)
+                    send_message(self.sock, {"op": "shutdown"})
+                    recv_message(self.sock)
+                except (OSError, PeerClosed):
+                    pass
+            self.sock.close()
+            self.sock = None
+        if self._failed is None:  # a failed worker is killed at once below
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        clean = self._failed is None and self.proc.poll() == 0
+        self._finalizer()  # kills the worker if it is still there, removes the socket directory
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        if clean and self._own_log and os.path.exists(self.log_path):
+            os.unlink(self.log_path)
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- failure reporting -------------------------------------------------------------------------
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 16384))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+
+    def _fail(self, what: str) -> NoReturn:
+        tail = " | ".join(self.log_tail()) or "(empty)"
+        self._failed = f"rollout worker {self.backend} (pid {self.pid}) {what}; log {self.log_path}, last lines: {tail}"
+        raise RolloutWorkerError(self._failed)
+
+    def _check_alive(self, doing: str) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            self._fail(f"died with exit code {code} while {doing}")
+
+    def _died(self, doing: str) -> NoReturn:
+        """The connection broke: wait for the exit code (briefly), then report."""
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._fail(f"closed its connection while {doing} but is still running")
+        self._fail(f"died with exit code {code} while {doing}")
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def _send(self, header: dict[str, Any], payload: Any = None) -> None:
+        if self._failed is not None:
+            raise RolloutWorkerError(self._failed)
+        if self.sock is None:
+            raise RolloutWorkerError(f"rollout worker {self.backend} is closed; start a new RolloutClient")
+        try:
+            send_message(self.sock, header, payload, on_idle=lambda: self._check_alive(f"receiving {header['op']!r}"))
+        except OSError:
+            self._died(f"receiving {header['op']!r}")
+
+    def _reply(self, op: str) -> tuple[dict[str, Any], memoryview]:
+        try:
+            reply, payload = recv_message(self.sock, on_idle=lambda: self._check_alive(f"handling {op!r}"))
+        except (PeerClosed, OSError):
+            self._died(f"handling {op!r}")
+        if not reply.get("ok"):
+            raise RolloutWorkerError(f"rollout worker {self.backend} refused {op!r}: {reply.get('error')}")
+        return reply, payload
+
+    def _request(self, header: dict[str, Any], payload: Any = None) -> tuple[dict[str, Any], memoryview]:
+        self._send(header, payload)
+        return self._reply(header["op"])
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> Generation:
+        """Sample one response per prompt (token ids, unpadded). Same seed + weights: same tokens."""
+        request = GenerateRequest(
+            [[int(t) for t in p] for p in prompts],
+            params.temperature,
+            params.top_p,
+            params.max_new_tokens,
+            int(seed),
+            list(stop_token_ids(self.tokenizer)),
+            int(self.tokenizer.pad_token_id),
+        )
+        reply, payload = self._request(request.to_json())
+        lengths = [int(n) for n in reply["lengths"]]
+        total = sum(lengths)
+        ids = torch.frombuffer(payload, dtype=torch.int64, count=total).tolist() if total else []
+        logprobs = (
+            torch.frombuffer(payload, dtype=torch.float32, count=total, offset=8 * total).tolist() if total else []
+        )
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+        return Generation(
+            [ids[s : s + n] for s, n in zip(starts, lengths)], [logprobs[s : s + n] for s, n in zip(starts, lengths)]
+        )
+
+    def rollout_batch(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> tuple[RolloutBatch, torch.Tensor]:
+        """A RolloutBatch exactly as `generate_rollouts` builds it, and the worker's log-probs [B, R] (0 on padding)."""
+        generation = self.generate(prompts, params, seed)
+        batch = build_rollout_batch(self.tokenizer, prompts, generation.response_ids, params.max_new_tokens)
+        logprobs = torch.zeros(batch.response_mask.shape)
+        for i, row in enumerate(generation.logprobs):
+            logprobs[i, : len(row)] = torch.tensor(row)
+        return batch, logprobs * batch.response_mask
+
+    def fingerprint(self) -> str:
+        """The worker's weights_fingerprint (compare with the trainer's, rounded to `self.dtype`)."""
+        return self._request({"op": "fingerprint"})[0]["fingerprint"]
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256, transport: str = "shm"
+    ) -> SyncStats:
+        """Send tensors (e.g. `policy.named_parameters()`) in buckets of ~bucket_mb; the worker copies them in.
+
+        transport "shm": bytes go through a shared memfd (two slots, so packing bucket i+1 overlaps
+        the worker loading bucket i); "socket": bytes follow each header on the socket.
+        """
+        if transport not in ("shm", "socket"):
+            raise RolloutWorkerError(f"unknown weight transport {transport!r}; use 'shm' or 'socket'")
+        start = time.monotonic()
+        bucket_bytes = max(1, int(bucket_mb * MB))
+        self._request({"op": "begin_update"})
+        pending = buckets = tensors = sent = 0
+        errors: list[str] = []
+        for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
+            if transport == "shm" and (self._staging is None or bucket.nbytes > self._staging.slot_bytes):
+                errors += self._acks(pending)
+                pending = 0
+                self._attach_staging(max(bucket_bytes, bucket.nbytes))
+            if pending == 2:  # the slot (or inline buffer) about to be reused must be free
+                errors += self._acks(1)
+                pending -= 1
+            header = {"op": "load_bucket", "index": index, "nbytes": bucket.nbytes}
+            header["tensors"] = [e.to_json() for e in bucket.entries]
+            if transport == "shm":
+                offset = (index % self._staging.slots) * self._staging.slot_bytes
+                pack_bucket(bucket, self._staging.buffer[offset : offset + bucket.nbytes])
+                self._send(header | {"source": "staging", "offset": offset})
+            else:
+                if self._inline.numel() < bucket.nbytes:
+                    self._inline = torch.empty(bucket.nbytes, dtype=torch.uint8)
+                pack_bucket(bucket, self._inline)
+                self._send(header | {"source": "inline"}, memoryview(self._inline[: bucket.nbytes].numpy()))
+            pending += 1
+            buckets, tensors = buckets + 1, tensors + len(bucket.entries)
+            sent += sum(e.nbytes for e in bucket.entries)
+        errors += self._acks(pending)
+        if errors:
+            raise RolloutWorkerError(f"rollout worker {self.backend} rejected a weight bucket: {errors[0]}")
+        reply, _ = self._request({"op": "end_update", "buckets": buckets})
+        if reply["buckets"] != buckets or reply["tensors"] != tensors:
+            raise RolloutWorkerError(
+                f"rollout worker {self.backend} applied {reply['buckets']} buckets / {reply['tensors']} tensors"
+                f" of {buckets} / {tensors} sent; the connection lost messages: restart the worker"
+            )
+        seconds = time.monotonic() - start
+        return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, transport)
+
+    def _acks(self, count: int) -> list[str]:
+        """Read `count` bucket replies; errors are collected so the stream stays in step."""
+        errors = []
+        for _ in range(count):
+            try:
+                self._reply("load_bucket")
+            except RolloutWorkerError as exc:
+                if self._failed is not None:
+                    raise
+                errors.append(str(exc))
+        return errors
+
+    def _attach_staging(self, slot_bytes: int) -> None:
+        if self._staging is not None:
+            self._staging.close()
+        self._staging = _Staging(slot_bytes)
+        self._send({"op": "attach_staging", "nbytes": slot_bytes * self._staging.slots})
+        try:  # one byte carrying the memfd (SCM_RIGHTS): the worker maps the same pages, nothing is named
+            socket.send_fds(self.sock, [b"F"], [self._staging.fd])
+        except OSError:
+            self._died("receiving the staging buffer")
+        self._reply("attach_staging")
+
+
+def _peer_pid(conn: socket.socket) -> int | None:
+    """The connecting process id (Linux SO_PEERCRED), or None where the platform cannot say."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def build_rollout_batch(
+    tokenizer: Any, prompts: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], max_new_tokens: int
+) -> RolloutBatch:
+    """The RolloutBatch `generate_rollouts` would build from these prompts and sampled responses.
+
+    Same left padding, same right padding with pad_token_id after each row's EOS, same response
+    mask (1 up to and including the first EOS). Width R = the longest response.
+    """
+    from rlflow.engine.data.batching import left_pad
+
+    pad, stops = tokenizer.pad_token_id, stop_token_ids(tokenizer)
+    ids, attention = left_pad(prompts, pad)
+    width = max(len(r) for r in response_ids)
+    response = torch.full((len(response_ids), width), pad, dtype=torch.long)
+    for i, row in enumerate(response_ids):
+        if len(row) < max_new_tokens and (not row or row[-1] not in stops):
+            raise RolloutWorkerError(
+                f"rollout worker returned a {len(row)}-token response without EOS (max_new_tokens={max_new_tokens});"
+                " the worker's stop condition differs from the trainer's: check the model's eos_token_id"
+            )
+        response[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+    mask = response_mask_from_ids(response, stops)
+    response = torch.where(mask.bool(), response, torch.full_like(response, pad))
+    return RolloutBatch(
+        input_ids=torch.cat([ids, response], 1),
+        attention_mask=torch.cat([attention, mask.long()], 1),
+        response_mask=mask,
+        prompt_width=ids.shape[1],
+        response_texts=tuple(tokenizer.batch_decode(response, skip_special_tokens=True)),
+    )
+
+
+def probe_weight_sync(
+    client: RolloutClient,
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    worker_logprobs: torch.Tensor,
+    temperature: float,
+    *,
+    probe_rows: int,
+    max_logprob_diff: float,
+    check_fingerprint: bool,
+) -> SyncCheck:
+    """The post-sync guard on a batch the worker just sampled (WeightSyncError when out of sync).
+
+    Recomputes the first `probe_rows` rows' log-probs [probe_rows, R] with the trainer's policy and
+    compares them to the worker's; if `check_fingerprint`, also compares weight fingerprints.
+    """
+    index = torch.arange(min(probe_rows, batch.input_ids.shape[0]))
+    rows = batch.rows(index)
+    trainer_logprobs = batched_logprobs(policy, rows, temperature)
+    trainer_fp = worker_fp = None
+    if check_fingerprint:
+        trainer_fp = weights_fingerprint(policy.named_parameters(), round_to=client.dtype)
+        worker_fp = client.fingerprint()
+    return check_weight_sync(
+        trainer_fp,
+        worker_fp,
+        trainer_logprobs,
+        worker_logprobs[index] * rows.response_mask,
+        rows.response_mask,
+        max_logprob_diff,
+        check_fingerprint,
+    )

@@ -1,0 +1,130 @@
+"""Evaluating a policy: gold score, reward-model score, KL, length and diversity of its answers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlflow.engine.algorithms.kl import token_kl
+from rlflow.engine.algorithms.stats import distinct_n, masked_mean
+from rlflow.engine.backend import dist
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.data.records import PromptRecord, encode_prompts, format_prompt
+from rlflow.engine.errors import DataError
+from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
+from rlflow.engine.rewards.user_functions import GoldScores, score_answers
+from rlflow.engine.rollout.generate import batched_logprobs, generate_rollouts
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    records: tuple[PromptRecord, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+
+
+def encode_prompt_set(
+    tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str, source: str
+) -> tuple[PromptSet, int, int]:
+    """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped).
+
+    Raises DataError naming `source` (the data file) when no prompt is left."""
+    encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
+    if not encoded.token_ids:
+        raise DataError(
+            f"{source}: every prompt is longer than data.max_prompt_tokens={max_tokens} and was dropped; "
+            "raise the limit or set data.prompt_overflow=truncate"
+        )
+    kept = tuple(records[i] for i in encoded.kept_indices)
+    return PromptSet(kept, tuple(tuple(t) for t in encoded.token_ids)), encoded.n_truncated, encoded.n_dropped
+
+
+@torch.no_grad()
+def evaluate_policy(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: PromptSet,
+    models: ScoringModels,
+    sampling: SamplingParams,
+    seed: int,
+    batch_size: int = 128,
+    n_samples: int = 12,
+    generate_kwargs: dict[str, Any] | None = None,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Sample one answer per prompt and measure it. Returns (metrics, sample rows).
+
+    Prompts go in chunks of `batch_size`, each seeded from (seed, its start) and spread over the
+    ranks, so the answers are the same for any number of processes.
+
+    Metrics: eval/gold_score (+ _stderr and eval/gold/<component>), eval/rm_score, eval/kl and
+    eval/kl_to_sft (token-mean k3 estimate on the sampled tokens), eval/response_length (tokens),
+    eval/distinct_2 (pooled over all answers' words), eval/valid_fraction.
+    """
+    texts: list[str] = []
+    per_row: list[torch.Tensor] = []  # [b, 4] per chunk: rm score, kl to reference, kl to sft, length
+    for c, real in dist.rank_chunks(len(prompts.token_ids), batch_size):
+        start = c * batch_size
+        chunk = prompts.token_ids[start : start + batch_size]
+        batch = generate_rollouts(policy, tokenizer, chunk, sampling, seed + start, **(generate_kwargs or {}))
+        rows = len(chunk)
+        temperature = sampling.temperature or 1.0  # greedy answers: KL of the untempered distributions
+        logprobs = batched_logprobs(policy, batch, temperature, chunk=rows)
+        mask = batch.response_mask
+        columns = [
+            torch.full((rows,), float("nan"))
+            if models.reward_model is None
+            else normalised_scores(models.reward_model, batch, models.score_norm, rows)
+        ]
+        for anchor in (models.reference, models.sft):
+            anchor_lp = batched_logprobs(anchor, batch, temperature, chunk=rows)
+            columns.append(masked_mean(token_kl(logprobs, anchor_lp, "k3"), mask, dim=1))
+        if real:
+            per_row.append(torch.stack(columns + [mask.sum(1)], 1))
+            texts.extend(batch.response_texts)
+    n_prompts = len(prompts.token_ids)
+    table = dist.gather_chunked(torch.cat(per_row), n_prompts, batch_size, 0.0)
+    texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
+    rm, kl_ref, kl_sft, lengths = ([table[:, i]] for i in range(4))
+    records = prompts.records
+    gold = _gold_scores(models.gold, records, texts)
+    n = len(gold.scores)
+    mean = sum(gold.scores) / n
+    var = sum((s - mean) ** 2 for s in gold.scores) / max(1, n - 1)
+    metrics = {
+        "eval/gold_score": mean,
+        "eval/gold_score_stderr": math.sqrt(var / n),
+        "eval/kl": float(torch.cat(kl_ref).mean()),
+        "eval/kl_to_sft": float(torch.cat(kl_sft).mean()),
+        "eval/response_length": float(torch.cat(lengths).float().mean()),
+        "eval/distinct_2": distinct_n([t.split() for t in texts], 2),
+        "eval/valid_fraction": (
+            sum(gold.components["valid"]) / n if "valid" in gold.components else sum(s > 0 for s in gold.scores) / n
+        ),
+    }
+    if models.reward_model is not None:
+        metrics["eval/rm_score"] = float(torch.cat(rm).mean())
+    metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
+    rows = [
+        {
+            "prompt": records[i].prompt,
+            "response": texts[i],
+            "gold_score": gold.scores[i],
+            "rm_score": None if models.reward_model is None else float(torch.cat(rm)[i]),
+        }
+        for i in range(min(n_samples, n))
+    ]
+    return metrics, rows
+
+
+def _gold_scores(gold: Any, records: Sequence[PromptRecord], texts: list[str]) -> GoldScores:
+    """Rank 0 alone calls the gold function (it may be an external judge, slow or not deterministic);
+    every rank gets its result, so decisions taken from it (keep_best, checkpoints) agree."""
+    local = None
+    if dist.is_main():
+        scored = score_answers(gold, [r.prompt for r in records], texts, [r.fields for r in records])
+        local = {"scores": scored.scores, "components": scored.components}
+    shared = dist.all_gather_json(local)[0] if dist.is_distributed() else local
+    return GoldScores(shared["scores"], shared["components"])

@@ -1,0 +1,189 @@
+"""The two short stages around training: online labelling before the reward model, and the
+round's evaluation of its starting and final policy."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlflow.engine.data.batching import batch_indices
+from rlflow.engine.config.schema import DataConfig
+from rlflow.engine.config.stages import EvalConfig
+from rlflow.engine.config.model import ModelConfig
+from rlflow.engine.data.records import PromptRecord, load_prompts
+from rlflow.engine.rewards.model_scores import ScoringModels
+from rlflow.engine.stages.evaluation import encode_prompt_set, evaluate_policy
+from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.rollout.generate import generate_rollouts
+from rlflow.engine.stages.context import StageContext, StageOutcome
+from rlflow.engine.stages.lifecycle import completed_outcome, finish
+from rlflow.engine.seeds import step_seed
+
+PAIRS_FILE = "pairs.jsonl"
+PAIRS_EVAL_FILE = "pairs_eval.jsonl"  # held out of reward-model training (label.eval_fraction)
+RESULTS_FILE = "results.json"
+
+
+def sample_answer_pairs(
+    policy_path: str,
+    model_cfg: ModelConfig,
+    data: DataConfig,
+    sampling: SamplingParams,
+    n_prompts: int,
+    seed: int,
+    round_index: int,
+) -> list[tuple[PromptRecord, str, str]]:
+    """(prompt record, answer A, answer B) for `n_prompts` of data.prompts, each answered twice
+    by the policy: what a labeller (a function, or raters after `rlflow label export`) compares.
+    The prompts and draws are a function of (seed, round)."""
+    tokenizer = load_tokenizer(policy_path, model_cfg.trust_remote_code, chat_template=data.chat_template)
+    policy = load_policy(policy_path, model_cfg.dtype, model_cfg.trust_remote_code).eval()
+    records = load_prompts(data.prompts, data.storage_options)
+    chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, seed, round_index, 6)
+    prompts, _, _ = encode_prompt_set(
+        tokenizer, [records[i] for i in chosen_idx], data.max_prompt_tokens, data.prompt_overflow, data.prompts
+    )
+    answers = []
+    for draw in (0, 1):
+        texts: list[str] = []
+        for start in range(0, len(prompts.token_ids), 128):
+            batch = generate_rollouts(
+                policy,
+                tokenizer,
+                prompts.token_ids[start : start + 128],
+                sampling,
+                step_seed(seed, round_index, draw, start, 8),
+            )
+            texts.extend(batch.response_texts)
+        answers.append(texts)
+    return list(zip(prompts.records, *answers))
+
+
+@dataclass(frozen=True)
+class LabelStageInputs:
+    """What the online-label stage needs, built once by its task."""
+
+    policy_path: str  # the policy that answers (a local directory)
+    model: ModelConfig
+    data: DataConfig
+    sampling: SamplingParams
+    labeller: Callable[..., Any]  # label.labeller.fn: (prompt, a, b, rng=..., **kwargs, **fields) -> 0 | 1 | None
+    labeller_kwargs: dict[str, Any]
+    n_prompts: int  # prompts answered twice
+    eval_fraction: float = 0.0  # share of the pairs held out as pairs_eval.jsonl
+
+
+def run_label_stage(ctx: StageContext, inputs: LabelStageInputs) -> StageOutcome:
+    """The current policy answers `n_prompts` prompts twice; the labeller picks one (ties dropped).
+
+    Writes the labelled pairs (prompt, chosen, rejected) in the stage's step 0: `pairs.jsonl` for
+    training and, with `eval_fraction` > 0, that share of them as `pairs_eval.jsonl` instead.
+    """
+    if (done := completed_outcome(ctx)) is not None:
+        return done
+    labeller, labeller_kwargs, eval_fraction = inputs.labeller, inputs.labeller_kwargs, inputs.eval_fraction
+    triples = sample_answer_pairs(
+        inputs.policy_path, inputs.model, inputs.data, inputs.sampling, inputs.n_prompts, ctx.seed, ctx.round_index
+    )
+    rng = random.Random(step_seed(ctx.seed, ctx.round_index, 9))
+    rows, ties, empty = [], 0, 0
+    for record, a, b in triples:
+        if not a.strip() or not b.strip():  # preference data holds non-empty answers only
+            empty += 1
+            continue
+        choice = labeller(record.prompt, a, b, rng=rng, **labeller_kwargs, **record.fields)
+        if choice is None:
+            ties += 1
+            continue
+        chosen, rejected = (a, b) if choice == 0 else (b, a)
+        rows.append({"prompt": record.prompt, "chosen": chosen, "rejected": rejected})
+    # Its own stream: the labeller's draws (and so the pairs) do not depend on the split.
+    split = random.Random(step_seed(ctx.seed, ctx.round_index, 11))
+    held = set(split.sample(range(len(rows)), round(len(rows) * eval_fraction)))
+    train = [row for i, row in enumerate(rows) if i not in held]
+    held_out = [row for i, row in enumerate(rows) if i in held]
+    with ctx.store.writer(0) as writer:
+        writer.write_bytes(PAIRS_FILE, _jsonl(train))
+        if eval_fraction > 0:
+            writer.write_bytes(PAIRS_EVAL_FILE, _jsonl(held_out))
+        writer.meta["identity"] = ctx.identity
+    metrics = {"label/pairs": float(len(train)), "label/ties_dropped": float(ties), "label/empty_dropped": float(empty)}
+    if eval_fraction > 0:
+        metrics["label/pairs_eval"] = float(len(held_out))
+    ctx.sink.log_metrics(metrics, 0)
+    return finish(ctx, 0, metrics, None)
+
+
+def _jsonl(rows: list[dict[str, str]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    start_policy: str  # the round's starting policy (its "before")
+    final_policy: str  # the round's PPO policy (its "after")
+    reference: str
+    sft: str
+    reward_model: str | None  # None: the round trained no reward model
+    score_norm: tuple[float, float] | None
+
+
+@dataclass(frozen=True)
+class EvalStageInputs:
+    """What the evaluation stage needs, built once by its task."""
+
+    paths: EvalInputs
+    model: ModelConfig
+    data: DataConfig
+    eval: EvalConfig
+    sampling: SamplingParams  # eval.sampling(ppo): greedy with eval.greedy
+    gold: Callable[..., Any]  # gold.fn, bound to its kwargs
+
+
+def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOutcome:
+    """Evaluate the start (step 0 of the metrics) and final (step 1) policy on the same prompts
+    with the same sampling seed; the outcome holds both as gold_score_before/after etc."""
+    if (done := completed_outcome(ctx)) is not None:
+        return done
+    inputs, model_cfg, data, eval_cfg = stage_inputs.paths, stage_inputs.model, stage_inputs.data, stage_inputs.eval
+    sampling, gold = stage_inputs.sampling, stage_inputs.gold
+    kw = {"dtype": model_cfg.dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    tokenizer = load_tokenizer(inputs.final_policy, model_cfg.trust_remote_code, chat_template=data.chat_template)
+    reference = load_policy(inputs.reference, **kw).eval()
+    scoring = ScoringModels(
+        reward_model=None if inputs.reward_model is None else load_scalar_model(inputs.reward_model, **kw).eval(),
+        score_norm=inputs.score_norm,
+        reference=reference,
+        sft=reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval(),
+        gold=gold,
+    )
+    records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
+    prompts, _, _ = encode_prompt_set(
+        tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
+    )
+    results: dict[str, Any] = {}
+    for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):
+        policy = load_policy(path, **kw).eval()
+        metrics, samples = evaluate_policy(
+            policy,
+            tokenizer,
+            prompts,
+            scoring,
+            sampling,
+            step_seed(ctx.seed, ctx.round_index, 10),
+            eval_cfg.batch_size,
+            eval_cfg.num_logged_samples,
+        )
+        ctx.sink.log_metrics(metrics, step)
+        ctx.sink.log_table(f"eval_samples_{name}.json", samples)
+        results[name] = {"metrics": metrics, "samples": samples}
+    with ctx.store.writer(0) as writer:
+        writer.write_json(RESULTS_FILE, results)
+        writer.meta["identity"] = ctx.identity
+    before, after = results["before"]["metrics"], results["after"]["metrics"]
+    summary = {f"{k.removeprefix('eval/')}_before": v for k, v in before.items()}
+    summary |= {f"{k.removeprefix('eval/')}_after": v for k, v in after.items()}
+    return finish(ctx, 0, summary, None)

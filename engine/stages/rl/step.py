@@ -1,0 +1,290 @@
+"""PPO with a per-token critic, a KL-penalised reward and an adaptive KL controller.
+
+One step: sample a batch of responses, score them (reward model, reference, critic), build
+per-token rewards and GAE advantages (engine/stages/rl/experience.py), then several epochs of clipped actor
+and critic updates over mini-batches. The maths lives in `algos`; this module only moves tensors
+between them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from rlflow.engine.backend import dist
+from rlflow.engine.algorithms.kl import token_kl
+from rlflow.engine.algorithms.losses import loss_sum_and_units, ppo_policy_loss, value_loss
+from rlflow.engine.algorithms.kl import make_kl_controller
+from rlflow.engine.algorithms.stats import masked_sum
+from rlflow.engine.backend.runtime import LossParts, TrainEngine
+from rlflow.engine.data.batching import batch_indices
+from rlflow.engine.config.kl import KLConfig
+from rlflow.engine.config.stages import PPOConfig
+from rlflow.engine.stages.evaluation import PromptSet, evaluate_policy
+from rlflow.engine.stages.rl.experience import (
+    Experience,
+    Objective,
+    PPOModels,
+    ScoredRollout,
+    assemble_experience,
+    experience_metrics,
+    sample_and_score,
+)
+from rlflow.engine.models.loading import token_logprobs, token_values
+from rlflow.engine.rollout.generate import RolloutBatch
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.seeds import step_seed
+from rlflow.engine.telemetry.phases import add_phases, collect_phases, timed
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+def actor_forward(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) of the response tokens at the sampling temperature, [M, R] each, with
+    grad, on the model's device."""
+    return token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, temperature, with_entropy=True)
+
+
+def actor_loss_parts(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    exp: Experience,
+    index: torch.Tensor,
+    cfg: PPOConfig,
+    objective: Objective = Objective(),
+) -> LossParts:
+    """Clipped policy loss of the rows `index` [M] (plus kl_loss_coef x the KL to the reference
+    per token when the objective puts the KL in the loss) as a share of `cfg.loss_agg` over the
+    mini-batch; logprobs, entropy: [M, R] from actor_forward on those rows."""
+    device = logprobs.device  # experience stays on the CPU; each micro-batch's slice comes over
+    mask = exp.batch.response_mask[index].to(device)
+    per_token, clipped, approx_kl = ppo_policy_loss(
+        logprobs, exp.old_logprobs[index].to(device), exp.advantages[index].to(device), cfg.clip_ratio
+    )
+    tokens = float(mask.sum())
+    stats = {
+        "actor/pg_clipfrac": (float(masked_sum(clipped, mask)), tokens),
+        "actor/ppo_kl": (float(masked_sum(approx_kl.detach(), mask)), tokens),
+        "actor/entropy": (float(masked_sum(entropy.detach(), mask)), tokens),
+    }
+    if objective.kl_in_loss:
+        kl = token_kl(logprobs, exp.ref_logprobs[index].to(device), objective.kl_estimator)
+        per_token = per_token + objective.kl_loss_coef * kl
+        stats["actor/kl_loss"] = (float(masked_sum(kl.detach(), mask)), tokens)
+    loss_sum, units = loss_sum_and_units(per_token, mask, cfg.loss_agg)
+    return LossParts(loss_sum, units, stats)
+
+
+def actor_loss(
+    model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig, objective: Objective = Objective()
+) -> LossParts:
+    rows = exp.batch.rows(index)
+    return actor_loss_parts(*actor_forward(model, rows, objective.sampling.temperature), exp, index, cfg, objective)
+
+
+def critic_forward(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """Values [M, R] of the response tokens, read at the token before each one, with grad."""
+    return token_values(model, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1 : -1]
+
+
+def critic_loss_parts(values: torch.Tensor, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> LossParts:
+    """Clipped value loss of the rows `index` [M]; values [M, R] from critic_forward on those rows."""
+    mask = exp.batch.response_mask[index].to(values.device)
+    vf, vf_clipped = value_loss(
+        values, exp.values[index].to(mask.device), exp.returns[index].to(mask.device), cfg.value_clip
+    )
+    loss_sum, units = loss_sum_and_units(vf, mask, cfg.loss_agg)
+    return LossParts(loss_sum, units, {"critic/vf_clipfrac": (float(masked_sum(vf_clipped, mask)), float(mask.sum()))})
+
+
+def critic_loss(model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> LossParts:
+    return critic_loss_parts(critic_forward(model, exp.batch.rows(index)), exp, index, cfg)
+
+
+def loss_units(mask: torch.Tensor, mode: str) -> float:
+    """Units a micro-batch's loss is normalised over (must match loss_sum_and_units)."""
+    return float(mask.bool().sum()) if mode == "token-mean" else float(mask.shape[0])
+
+
+class UpdateMetrics:
+    """Per-update metrics averaged over mini-batches, plus "skipped" and the update timings."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.skipped = 0.0
+
+    def run(self, name: str, engine: TrainEngine, micro: list, units: list, loss_fn: Callable, step: int) -> None:
+        """One optimizer step of `engine`, timed as timing_s/update_<name>."""
+        out = timed(f"timing_s/update_{name}", lambda: engine.train_step(micro, units, loss_fn))
+        self.skipped = max(self.skipped, out["skipped"])
+        metrics = {k: v for k, v in out.items() if k.startswith(f"{name}/")}
+        metrics[f"{name}/{'pg_loss' if name == 'actor' else 'vf_loss'}"] = out["loss"]
+        metrics[f"{name}/grad_norm"] = out["grad_norm"]
+        for key, value in metrics.items():
+            self.sums[key], self.counts[key] = self.sums.get(key, 0.0) + value, self.counts.get(key, 0) + 1
+
+    def result(self) -> dict[str, float]:
+        return {k: v / self.counts[k] for k, v in self.sums.items()} | {"skipped": self.skipped}
+
+
+def ppo_update(
+    models: PPOModels,
+    exp: Experience,
+    cfg: PPOConfig,
+    update_actor: bool,
+    seed: int,
+    step: int = 0,
+    objective: Objective = Objective(),
+) -> dict[str, float]:
+    """`cfg.epochs` passes of clipped actor and (if there is one) critic updates over shuffled
+    mini-batches of `cfg.mini_batch` prompts (x rollout.n samples each).
+
+    Mini-batches are drawn from the whole batch (the same on every rank); each rank trains on its
+    share, cut into micro-batches. During critic warm-up (`update_actor` False) the actor is not
+    run. Returns metrics averaged over mini-batches, and "skipped": 1.0 if any update was skipped
+    for a non-finite loss or gradient norm; adds timing_s/update_actor and _critic.
+    """
+    record = UpdateMetrics()
+    generator = torch.Generator().manual_seed(seed)
+    models.actor.train()
+    parts = []
+    if update_actor:
+        parts.append(("actor", models.actor, lambda model, e, m, c: actor_loss(model, e, m, c, objective)))
+    if models.critic is not None:
+        models.critic.train()
+        parts.append(("critic", models.critic, critic_loss))
+    # Rows keep the batch's padded width in every micro-batch: that is what the budget must count.
+    lengths = [exp.batch.input_ids.shape[1]] * exp.batch.input_ids.shape[0]
+    for _ in range(cfg.epochs):
+        rows = torch.randperm(exp.batch.input_ids.shape[0], generator=generator)
+        for index in rows.split(cfg.mini_batch * objective.group_size):
+            mine = index[dist.rank() :: dist.world_size()]
+            micro = [mine[g] for g in models.runtime.micro_batches([lengths[i] for i in mine.tolist()])]
+            units = [loss_units(exp.batch.response_mask[m], cfg.loss_agg) for m in micro]
+            for name, engine, loss_fn in parts:
+                record.run(name, engine, micro, units, lambda model, m, f=loss_fn: f(model, exp, m, cfg), step)
+    return record.result()
+
+
+def single_pass_possible(models: PPOModels, cfg: PPOConfig, update_actor: bool, group_size: int = 1) -> bool:
+    """Whether the update is one optimizer step per model over the whole batch in one forward:
+    one epoch, one mini-batch, one micro-batch (no token budget to cut it), one process, samples
+    drawn here. Its forwards then run on exactly the weights that sampled, so they are the
+    sampling-time log-probs and values (PPO's ratio is exactly 1 there) and the two scoring
+    passes are skipped, not approximated."""
+    rows, runtime = cfg.rollout_batch * group_size, models.runtime
+    if not (update_actor and cfg.epochs == 1 and cfg.mini_batch == cfg.rollout_batch and dist.world_size() == 1):
+        return False
+    if models.rollout is not None or runtime.name != "torch" or runtime.cfg.max_tokens_per_microbatch is not None:
+        return False
+    return len(runtime.micro_batches([1] * rows)) == 1
+
+
+def single_pass_update(
+    models: PPOModels,
+    rollout: ScoredRollout,
+    cfg: PPOConfig,
+    kl_coef: float,
+    step: int,
+    objective: Objective = Objective(),
+) -> tuple[Experience, dict[str, float]]:
+    """The update of a `single_pass_possible` step: actor and critic forwards with grad, their
+    detached outputs taken as sampling-time log-probs and values, the experience assembled from
+    them, then each loss backward and one optimizer step. Both graphs are alive at once: the
+    price of skipping two passes is actor plus critic activations at the peak."""
+    batch, rows = rollout.batch, torch.arange(rollout.batch.input_ids.shape[0])
+    models.actor.train()
+    mask, critic = batch.response_mask, models.critic
+    temperature = objective.sampling.temperature
+    logprobs, entropy = timed("timing_s/update_actor", lambda: actor_forward(models.actor.forward, batch, temperature))
+    if critic is not None:
+        critic.train()
+        values = timed("timing_s/update_critic", lambda: critic_forward(critic.forward, batch))
+        sampled_values = values.detach().cpu() * mask
+    else:
+        sampled_values = rollout.values
+    exp = assemble_experience(rollout, logprobs.detach().cpu() * mask, sampled_values, kl_coef, cfg, objective)
+    units = [loss_units(mask, cfg.loss_agg)]
+    record = UpdateMetrics()
+    actor_parts = lambda _, m: actor_loss_parts(logprobs, entropy, exp, m, cfg, objective)  # noqa: E731
+    record.run("actor", models.actor, [rows], units, actor_parts, step)
+    if critic is not None:
+        record.run("critic", critic, [rows], units, lambda _, m: critic_loss_parts(values, exp, m, cfg), step)
+    return exp, record.result()
+
+
+def ppo_step(
+    models: PPOModels,
+    kl_controller,
+    cfg: PPOConfig,
+    prompts: PromptSet,
+    seed: int,
+    round_index: int,
+    step: int,
+    generate_batch: int,
+    objective: Objective,
+) -> dict[str, float]:
+    """One RL step (1-based `step`): rollout of `cfg.rollout_batch` prompts x `objective.group_size`
+    samples each (consecutive rows), scoring, updates, KL controller. Returns metrics, with
+    timing_s/{gen,old_logprobs,ref,values,reward,update_actor,update_critic,other,step}."""
+    started = time.monotonic()
+    with collect_phases() as timings:  # every phase below adds its seconds (engine/telemetry/phases.py)
+        index = batch_indices(len(prompts.token_ids), cfg.rollout_batch, step, seed, round_index, 3)
+        index = [i for i in index for _ in range(objective.group_size)]
+        update_actor = step > cfg.critic_warmup_steps or models.critic is None
+        single = single_pass_possible(models, cfg, update_actor, objective.group_size)
+        rollout = sample_and_score(
+            models,
+            objective.sampling,
+            [prompts.token_ids[i] for i in index],
+            step_seed(seed, round_index, step, 4),
+            generate_batch,
+            step,
+            [prompts.records[i] for i in index],
+            from_update=single,
+        )
+        coef = kl_controller.value
+        if single:
+            exp, update_metrics = single_pass_update(models, rollout, cfg, coef, step, objective)
+        else:
+            exp = assemble_experience(rollout, rollout.old_logprobs, rollout.values, coef, cfg, objective)
+            update_seed = step_seed(seed, round_index, step, 5)
+            update_metrics = ppo_update(models, exp, cfg, update_actor, update_seed, step, objective)
+        kl_coef = objective.kl_loss_coef if objective.kl_in_loss else coef
+        metrics = experience_metrics(exp, kl_coef, models.critic is not None) | update_metrics
+        if models.reward is not None:
+            metrics |= models.reward.metrics
+        if models.rollout is not None:  # the worker samples the next step with the updated actor
+            add_phases(models.rollout.sync(models.actor))
+        if not objective.kl_in_loss:  # with the KL in the loss its coefficient is fixed
+            kl_controller.update(metrics["actor/kl"], len(index))
+    timings["timing_s/step"] = time.monotonic() - started
+    # "other" is what no phase timed; the rollout worker's figures in the collection are not seconds.
+    phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k != "timing_s/step"]
+    timings["timing_s/other"] = timings["timing_s/step"] - sum(phases)
+    metrics.update(timings)
+    metrics["perf/throughput"] = float(exp.batch.attention_mask.sum()) / timings["timing_s/step"]
+    return metrics
+
+
+def make_controller(kl: KLConfig):
+    return make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
+
+
+def run_evaluation(
+    models: PPOModels, prompts: PromptSet, sampling: SamplingParams, seed: int, batch_size: int, n_samples: int
+):
+    return evaluate_policy(
+        models.actor.model,
+        models.tokenizer,
+        prompts,
+        models.scoring,
+        sampling,
+        seed,
+        batch_size,
+        n_samples,
+        models.runtime.generate_kwargs(),
+    )

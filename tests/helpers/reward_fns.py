@@ -1,0 +1,46 @@
+"""Reward functions named in configs by reference ("helpers.reward_fns:scripted"), imported in the
+reward pool's worker processes (tests/unit/engine/rewards/test_pool.py, the RL stage's tests) and
+in the test process: pytest's pythonpath (pyproject.toml) puts tests/ on sys.path, and each pool
+worker gets the parent's sys.path."""
+
+import os
+import signal
+import sys
+import time
+
+
+def scripted(prompt, response, behave="ok", i=0, **fields):
+    """Does what the sample's `behave` column says; "ok" scores the sample's `i` column."""
+    if behave == "raise":
+        raise ValueError("boom")
+    if behave == "nan":
+        return float("nan")
+    if behave == "text":
+        return "high"
+    if behave == "mapping":
+        return {"score": 0.25, "length": len(response)}
+    if behave == "sleep":
+        time.sleep(5)
+    if behave == "stuck":  # a call the timeout signal cannot stop (as if stuck in C code)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(30)
+    if behave == "exit":
+        os._exit(3)
+    if behave == "torch":
+        return float("torch" in sys.modules)
+    return float(i)
+
+
+def scaled_length(prompt, response, *, scale, **fields):
+    """`scale` comes from the source's kwargs: scale x characters of the response."""
+    return scale * len(response)
+
+
+def answer_only(prompt, response, answer):
+    """Takes no **fields: a kwarg of its source it does not take fails when the pool is built."""
+    return float(response == answer)
+
+
+def constant_rule(prompt, response, **fields):
+    """Scores every answer alike: a fallback rule whose scores have no spread (test_breaker.py)."""
+    return {"score": 0.5}

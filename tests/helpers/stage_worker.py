@@ -1,0 +1,32 @@
+"""A training stage as `python -m rlflow.engine.stages.worker` subprocesses (no Prefect), started
+with or without an injected fault (RLFLOW_FAULT), and what each run logged."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.config.secrets import redact
+from rlflow.engine.stages.worker import StageCall, write_spec
+from rlflow.engine.telemetry.metrics import EVENT_PREFIX
+
+
+def start_worker(root: Path, tree: dict, call: StageCall, fault: str | None) -> subprocess.Popen:
+    """Start the stage in a worker process, on one thread (the reference runs beside the chain)."""
+    spec = root / f"spec-{call.stage}.json"
+    write_spec(str(spec), redact(build_config(tree, "test").model_dump(mode="json")), call, str(root / "outcome.json"))
+    env = dict(os.environ, RLFLOW_SECRETS="{}", OMP_NUM_THREADS="1")
+    env.pop("RLFLOW_FAULT", None)
+    if fault:
+        env["RLFLOW_FAULT"] = f"{call.stage}:{fault}"
+    command = [sys.executable, "-m", "rlflow.engine.stages.worker", str(spec)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_worker(proc: subprocess.Popen) -> tuple[int, list, str]:
+    """Wait for a worker; return (exit code, [(step, metrics)] from its event lines, stderr tail)."""
+    out, err = proc.communicate(timeout=300)
+    events = [json.loads(line[len(EVENT_PREFIX) :]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    return proc.returncode, [(e["step"], e["metrics"]) for e in events if e["kind"] == "metrics"], err[-3000:]

@@ -1,0 +1,71 @@
+"""The execution sections (rlflow.engine.config.execution): per-stage policies inherit stage.*, the
+engine refuses inconsistent ZeRO settings, and a job's world size is processes x nodes."""
+
+import pytest
+from pydantic import ValidationError
+
+from rlflow.engine.config.execution import (
+    CheckpointConfig,
+    EngineConfig,
+    ResourcesConfig,
+    RolloutConfig,
+    StageConfig,
+    StagePolicy,
+)
+
+STAGES = ("sft", "label", "rm", "ppo", "dpo", "eval")
+
+
+def test_a_stage_policy_takes_each_unset_key_from_stage_and_keeps_a_set_zero():
+    stage = StageConfig(
+        retries=2, retry_delay_s=5.0, hang_timeout_s=100.0, ppo=StagePolicy(retries=0, hang_timeout_s=7.0)
+    )
+    assert stage.policy("ppo") == StagePolicy(retries=0, retry_delay_s=5.0, hang_timeout_s=7.0)
+    for name in set(STAGES) - {"ppo"}:
+        assert stage.policy(name) == StagePolicy(retries=2, retry_delay_s=5.0, hang_timeout_s=100.0), name
+    defaults = StageConfig().policy("sft")
+    assert (defaults.retries, defaults.retry_delay_s, defaults.hang_timeout_s) == (0, 10.0, 3600.0)
+    # no watchdog at stage level: every stage inherits None unless it sets its own
+    unwatched = StageConfig(hang_timeout_s=None, dpo=StagePolicy(hang_timeout_s=60.0))
+    assert unwatched.policy("eval").hang_timeout_s is None and unwatched.policy("dpo").hang_timeout_s == 60.0
+
+
+def test_stage_policy_bounds_name_the_field():
+    for keys, field in (({"retries": -1}, "retries"), ({"hang_timeout_s": 0}, "hang_timeout_s")):
+        with pytest.raises(ValidationError) as info:
+            StagePolicy(**keys)
+        assert info.value.errors()[0]["loc"] == (field,)
+
+
+def test_offloading_parameters_needs_zero3_and_says_so():
+    with pytest.raises(ValidationError, match=r"engine\.offload_params needs engine\.zero_stage=3 \(got 2\)"):
+        EngineConfig(offload_params=True)
+    with pytest.raises(ValidationError, match=r"\(got 1\)"):
+        EngineConfig(offload_params=True, zero_stage=1)
+    assert EngineConfig(offload_params=True, zero_stage=3).offload_params
+    assert EngineConfig(offload_optimizer=True, zero_stage=1).offload_optimizer  # any stage may offload that
+    with pytest.raises(ValidationError):
+        EngineConfig(max_tokens_per_microbatch=7)  # below one short sequence
+
+
+def test_world_size_is_processes_per_node_times_nodes():
+    assert ResourcesConfig().world_size == 1
+    assert ResourcesConfig(nproc_per_node=4, nnodes=3).world_size == 12
+    assert ResourcesConfig(nproc_per_node=64, nnodes=2).world_size == 128
+    for keys in ({"nproc_per_node": 65}, {"nnodes": 0}, {"master_port": 70000}, {"launcher": "mpirun"}):
+        with pytest.raises(ValidationError):
+            ResourcesConfig(**keys)
+
+
+def test_checkpoint_and_rollout_defaults_and_bounds():
+    ckpt = CheckpointConfig()
+    assert (ckpt.every_steps, ckpt.keep_last, ckpt.consolidate_every, ckpt.mirror) == (10, 2, 5, None)
+    with pytest.raises(ValidationError) as info:
+        CheckpointConfig(keep_best_mode="best")
+    assert info.value.errors()[0]["loc"] == ("keep_best_mode",)
+    assert CheckpointConfig(mirror_retries=0).mirror_retries == 0  # no retries is allowed, a 0 s backoff is not
+    with pytest.raises(ValidationError):
+        CheckpointConfig(mirror_backoff_s=0)
+    assert (RolloutConfig().mode, RolloutConfig().n) == ("colocated", 1)
+    with pytest.raises(ValidationError):
+        RolloutConfig(n=1025)

@@ -1,0 +1,134 @@
+"""PPO with its rollouts from an `hf` worker process (rollout.mode=server): the same numbers as
+colocated sampling, the guard metrics every step, and a skipped or partial weight sync inside the
+PPO loop stops the stage; and the service's own bookkeeping (chunks, the guard, its metrics)."""
+
+import pytest
+import torch
+
+from conftest import RecordingSink, rl_inputs, small_config_tree
+from helpers.stage_ctx import make_ctx
+from rlflow.engine.config.execution import RolloutConfig
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.models.loading import load_tokenizer
+from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
+from rlflow.engine.rollout.server import Generation
+from rlflow.engine.rollout.service import RolloutService
+from rlflow.engine.rollout.weight_sync import WeightSyncError
+
+STEPS = 3
+
+
+def zero_gold(prompt, response, **fields):
+    return 0.0
+
+
+def run(trained, small_assets, tmp_path, name, mode, check_fingerprint=True):
+    sft_dir, rm_dir, norm = trained
+    cfg = build_config(
+        small_config_tree(
+            small_assets,
+            tmp_path,
+            ppo={"steps": STEPS, "rollout_batch": 16, "mini_batch": 8, "actor_lr": 1e-3},
+            rollout={"mode": mode, "generate_batch": 8, "bucket_mb": 0.05, "check_fingerprint": check_fingerprint},
+        ),
+        "t",
+    )
+    sink = RecordingSink()
+    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
+    ctx = make_ctx(tmp_path / name, "ppo", sink=sink, every=100)
+    run_ppo_stage(ctx, rl_inputs(cfg, inputs, zero_gold, rollout=cfg.rollout))
+    return sink
+
+
+def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets, tmp_path):
+    colocated = run(trained, small_assets, tmp_path, "colocated", "colocated")
+    served = run(trained, small_assets, tmp_path, "server", "server")
+    for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "critic/vf_loss", "actor/kl"):
+        expected = [v for _, v in colocated.series(key)]
+        assert [v for _, v in served.series(key)] == pytest.approx(expected, abs=1e-4), key
+    diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
+    assert len(diffs) == STEPS and max(diffs) < 1e-4  # the guard ran every step and saw agreement
+    assert len(served.series("timing_s/update_weights")) == STEPS
+    assert all(v > 0 for _, v in served.series("rollout/sync_gb_per_s"))
+
+
+# The client-level tests (test_server.py) cover both faults with and without fingerprints;
+# here the PPO loop itself: the probe alone catches a skipped sync, the fingerprint a partial one.
+@pytest.mark.parametrize("fault,check_fingerprint", [("skip", False), ("partial", True)])
+def test_a_bad_sync_inside_the_ppo_loop_stops_the_stage(
+    trained, small_assets, tmp_path, monkeypatch, fault, check_fingerprint
+):
+    real_sync = RolloutService.sync
+
+    def faulty_sync(self, actor):
+        if self.client is None or not hasattr(self, "_synced_once"):  # the first sync (at start) goes through
+            self._synced_once = True
+            return real_sync(self, actor)
+        if fault == "skip":
+            return {}
+        half = [(n, p) for i, (n, p) in enumerate(actor.named_full_parameters()) if i % 2 == 0]
+        stats = self.client.update_weights(half, self.cfg.bucket_mb)
+        from rlflow.engine.rollout.weight_sync import weights_fingerprint
+
+        self.trainer_fingerprint = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)
+        self.worker_fingerprint = self.client.fingerprint()
+        return {"rollout/sync_gb_per_s": stats.gb_per_s}
+
+    monkeypatch.setattr(RolloutService, "sync", faulty_sync)
+    expected = "weight fingerprints differ" if check_fingerprint else r"log-prob diff max \S+ nats"
+    with pytest.raises(WeightSyncError, match=expected):
+        run(trained, small_assets, tmp_path, fault, "server", check_fingerprint)
+
+
+# --- the service's own bookkeeping, without a worker process ----------------------------------------
+
+
+class CannedWorker:
+    """Stands in for the RolloutClient (engine/rollout/server.py, a process of its own): returns
+    fixed samples per seed and records the calls."""
+
+    def __init__(self, samples):
+        self.samples, self.calls = samples, []
+
+    def generate(self, prompts, params, seed):
+        self.calls.append((len(prompts), seed))
+        return Generation(*self.samples[seed])
+
+
+def test_sampled_chunks_carry_the_workers_log_probs_masked_for_the_guard(small_assets):
+    tokenizer = load_tokenizer(str(small_assets / "tiny-model"))
+    eos = tokenizer.eos_token_id
+    worker = CannedWorker({
+        10: ([[7, eos], [8, 9, 5]], [[-0.5, -0.25], [-1.0, -2.0, -3.0]]),
+        11: ([[eos]], [[-4.0]]),
+    })  # fmt: skip
+    service = RolloutService(RolloutConfig(mode="server"), worker, tokenizer)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3)
+    batches = service.sample_chunks([(0, [[1, 2], [3]], 10), (1, [[4]], 11)], params)
+    assert worker.calls == [(2, 10), (1, 11)]
+    assert batches[0].response_ids.tolist() == [[7, eos, tokenizer.pad_token_id], [8, 9, 5]]
+    assert service.pending[0].tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert service.pending[1].tolist() == [[-4.0]]
+
+
+def test_the_guard_compares_fingerprints_once_per_sync_and_sums_the_diffs():
+    service = RolloutService(RolloutConfig(mode="server", max_logprob_diff=0.1), client=None)
+    service.trainer_fingerprint, service.worker_fingerprint = "sha256:a", "sha256:a"
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    service.pending = {0: torch.tensor([[-1.0, -2.0, 0.0]]), 1: torch.tensor([[-1.0, -1.0, 0.0]])}
+    total, tokens, worst = service.check(0, torch.tensor([[-1.02, -2.04, 0.0]]), mask)
+    assert (total, tokens, worst) == (pytest.approx(0.06), 2.0, pytest.approx(0.04))
+    assert service.trainer_fingerprint is None and 0 not in service.pending  # compared: until the next sync
+    service.check(1, torch.tensor([[-1.0, -1.0, 0.0]]), mask)  # no fingerprints now: not compared
+    metrics = RolloutService.metrics([(0.06, 2.0, 0.04), (0.0, 2.0, 0.0)])
+    assert metrics == {"rollout/logprob_diff_mean": pytest.approx(0.015), "rollout/logprob_diff_max": 0.04}
+    assert RolloutService.metrics([]) == {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+
+
+def test_a_worker_out_of_step_fails_the_guard_with_the_numbers():
+    service = RolloutService(RolloutConfig(mode="server", max_logprob_diff=0.01), client=None)
+    service.trainer_fingerprint, service.worker_fingerprint = "sha256:a", "sha256:b"
+    service.pending = {3: torch.zeros(1, 2)}
+    with pytest.raises(WeightSyncError, match=r"fingerprints differ.*log-prob diff max 0\.5 nats"):
+        service.check(3, torch.tensor([[0.5, 0.0]]), torch.ones(1, 2))

@@ -1,0 +1,154 @@
+"""The rollout worker in this process: the wire format over a real socket pair, request parsing,
+and a session on the tiny demo model's transformers backend (weight loads, counters, the
+fingerprint, errors sent back as replies and the loop ending on shutdown)."""
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from rlflow.engine.data.batching import left_pad
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.models.tokens import response_mask_from_ids
+from rlflow.engine.rollout.generate import sample_tokens
+from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket, weights_fingerprint
+from rlflow.engine.rollout.worker import (
+    PREFIX,
+    GenerateRequest,
+    HFBackend,
+    PeerClosed,
+    ProtocolError,
+    RequestError,
+    WorkerSession,
+    parse_args,
+    recv_message,
+    send_message,
+)
+
+REQUEST = {
+    "prompts": [[5, 6, 7], [8]],
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "max_new_tokens": 6,
+    "seed": 2,
+    "stop_token_ids": [0],
+    "pad_token_id": 0,
+}
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def backend(small_assets):
+    return HFBackend(str(small_assets / "tiny-model"), "float32")
+
+
+def test_a_message_round_trips_header_and_payload(pair):
+    a, b = pair
+    send_message(a, {"op": "x", "n": [1, 2]}, b"\x01\x02\x03")
+    send_message(a, {"op": "empty"})
+    header, payload = recv_message(b)
+    assert header == {"op": "x", "n": [1, 2]} and bytes(payload) == b"\x01\x02\x03"
+    into = bytearray(8)
+    header, payload = recv_message(b, lambda n: memoryview(into))
+    assert header == {"op": "empty"} and payload.nbytes == 0
+
+
+def test_a_foreign_prefix_is_a_protocol_error_and_a_closed_peer_is_peer_closed(pair):
+    a, b = pair
+    a.sendall(PREFIX.pack(b"HTTP", 2, 0))  # refused before its header is read
+    with pytest.raises(ProtocolError, match="another protocol version"):
+        recv_message(b)
+    a.sendall(PREFIX.pack(b"RLF1", 10, 0)[:8])
+    a.close()
+    with pytest.raises(PeerClosed, match="after 8 of 16 bytes"):
+        recv_message(b)
+
+
+def test_a_generate_request_round_trips_and_bad_ones_are_request_errors():
+    request = GenerateRequest.from_json(REQUEST)
+    assert GenerateRequest.from_json(request.to_json()) == request and request.to_json()["op"] == "generate"
+    with pytest.raises(RequestError, match="malformed generate request .KeyError"):
+        GenerateRequest.from_json({k: v for k, v in REQUEST.items() if k != "seed"})
+    for bad in ({"prompts": [[1], []]}, {"temperature": 0}, {"max_new_tokens": 0}):
+        with pytest.raises(RequestError, match="non-empty prompts, temperature > 0 and max_new_tokens >= 1"):
+            GenerateRequest.from_json(REQUEST | bad)
+    with pytest.raises(RequestError, match="at least one stop token id"):
+        GenerateRequest.from_json(REQUEST | {"stop_token_ids": []})
+
+
+def test_generate_returns_the_samplers_tokens_up_to_each_stop(backend):
+    result = backend.generate(GenerateRequest.from_json(REQUEST))
+    ids, attention = left_pad(REQUEST["prompts"], 0)
+    expected = sample_tokens(backend.model, ids, attention, SamplingParams(1.0, 1.0, 6), [0], 0, 2)
+    keep = response_mask_from_ids(expected.tokens, [0]).bool()
+    assert result.lengths == keep.sum(1).tolist()
+    assert torch.equal(result.ids, expected.tokens[keep])
+    assert torch.allclose(result.logprobs, expected.logprobs[keep])
+    assert len(result.payload()) == sum(result.lengths) * (8 + 4)  # int64 ids, then float32 log-probs
+
+
+def _bucket_header(bucket, index=0):
+    return {"op": "load_bucket", "tensors": [e.to_json() for e in bucket.entries], "nbytes": bucket.nbytes,
+            "index": index}  # fmt: skip
+
+
+def test_an_inline_update_replaces_the_weights_and_counts_buckets_tensors_and_bytes(backend):
+    session = WorkerSession(sock=None, backend=backend)
+    new = {n: torch.full_like(p, 0.5) for n, p in list(backend.model.named_parameters())[:3]}
+    assert session.handle({"op": "begin_update"}, memoryview(b""))[0] == {"ok": True}
+    for i, bucket in enumerate(iter_buckets(new.items(), bucket_bytes=1)):  # one tensor per bucket
+        payload = memoryview(session.payload_buffer(bucket.nbytes))[: bucket.nbytes]
+        pack_bucket(bucket, session.inline[: bucket.nbytes])
+        assert session.handle(_bucket_header(bucket, i), payload)[0] == {"ok": True, "index": i}
+    reply, _ = session.handle({"op": "end_update"}, memoryview(b""))
+    assert reply == {"ok": True, "buckets": 3, "tensors": 3, "bytes": sum(t.numel() * 4 for t in new.values())}
+    for name, value in new.items():
+        assert torch.equal(backend.params[name], value)
+    reply, _ = session.handle({"op": "fingerprint"}, memoryview(b""))
+    assert reply["fingerprint"] == weights_fingerprint(backend.model.named_parameters())
+
+
+def test_a_tensor_the_model_lacks_or_of_another_shape_is_refused(backend):
+    session = WorkerSession(sock=None, backend=backend)
+    name, param = next(iter(backend.model.named_parameters()))
+    for tensors, message in (
+        ([("no.such.weight", torch.zeros(2))], "worker model has no parameter 'no.such.weight'"),
+        ([(name, torch.zeros(param.numel() + 1))], f"parameter '{name}' has shape"),
+    ):
+        (bucket,) = iter_buckets(tensors, bucket_bytes=1 << 30)
+        payload = memoryview(session.payload_buffer(bucket.nbytes))[: bucket.nbytes]
+        with pytest.raises(RequestError, match=message):
+            session.handle(_bucket_header(bucket), payload)
+    with pytest.raises(RequestError, match="load_bucket from staging before attach_staging"):
+        session.handle(_bucket_header(bucket) | {"source": "staging", "offset": 0}, payload)
+
+
+def test_the_loop_answers_errors_as_replies_and_ends_on_shutdown(pair, backend):
+    trainer, worker = pair
+    session = WorkerSession(worker, backend)
+    thread = threading.Thread(target=session.serve)
+    thread.start()
+    try:
+        send_message(trainer, {"op": "dance"})
+        assert recv_message(trainer)[0] == {"ok": False, "error": "unknown op 'dance'"}
+        send_message(trainer, REQUEST | {"op": "generate"})
+        reply, payload = recv_message(trainer)
+        assert reply["ok"] and payload.nbytes == sum(reply["lengths"]) * 12
+        send_message(trainer, {"op": "shutdown"})
+        assert recv_message(trainer)[0] == {"ok": True}
+    finally:
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_worker_arguments_default_to_float32_and_torchs_threads():
+    args = parse_args(["--socket", "/tmp/s", "--model-dir", "/m", "--parent-pid", "12"])
+    assert (args.dtype, args.threads, args.trust_remote_code, args.parent_pid) == ("float32", 0, False, 12)

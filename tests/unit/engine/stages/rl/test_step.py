@@ -1,0 +1,189 @@
+"""GRPO, RLOO and REINFORCE++ through the RL stage: critic-free, groups of samples, the KL in the
+reward or in the loss, and losses that do not depend on how a batch is cut into micro-batches."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from conftest import RecordingSink, assert_weights_agree, rl_inputs, small_config_tree
+from helpers.stage_ctx import make_ctx
+from rlflow.engine.backend.runtime import Runtime
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.config.execution import EngineConfig
+from rlflow.engine.data.records import load_prompts
+from rlflow.engine.stages.evaluation import encode_prompt_set
+from rlflow.engine.stages.rl.experience import Objective
+from rlflow.engine.stages.rl.step import make_controller, ppo_step
+from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models, run_ppo_stage
+from rlflow.engine.errors import RewardFunctionError
+from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
+
+
+def no_gold(prompt, response, **fields):
+    return 0.0
+
+
+def _config(small_assets, tmp_path, name, n=2, **ppo):
+    ppo = {"rollout_batch": 8, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3} | ppo
+    tree = small_config_tree(small_assets, tmp_path, ppo=ppo, kl={"loss_coef": 0.1}, sampling={"max_new_tokens": 12})
+    tree |= {"algorithm": {"name": name}, "rollout": {"n": n, "generate_batch": 16}}
+    return build_config(tree, "t")
+
+
+def _step(trained, cfg, runtime, prompts=None):
+    sft_dir, rm_dir, norm = trained
+    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    critic = None if cfg.algorithm.critic_free else rm_dir
+    models = load_ppo_models(
+        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, critic), cfg.model, cfg.ppo, no_gold, runtime
+    )
+    source = build_reward_source(cfg.reward, models.scoring, None, None, runtime, cfg.model)
+    models = dataclasses.replace(models, reward=source)
+    if prompts is None:
+        records = load_prompts(cfg.data.prompts)
+        prompts, _, _ = encode_prompt_set(models.tokenizer, records, 32, "truncate", "prompts")
+    metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 16, objective)
+    return models, metrics, prompts
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_grpo_step_does_not_depend_on_the_micro_batch_size(trained, small_assets, tmp_path, loss_agg):
+    cfg = _config(small_assets, tmp_path, "grpo", loss_agg=loss_agg)
+    whole, m1, prompts = _step(trained, cfg, Runtime())
+    cut, m2, _ = _step(trained, cfg, Runtime(EngineConfig(micro_batch_size=3)), prompts)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert m2[key] == pytest.approx(m1[key], abs=1e-6, rel=1e-5), key
+    assert_weights_agree(whole.actor.model.state_dict(), cut.actor.model.state_dict(), 1e-5)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
+def test_critic_free_step_samples_groups_and_trains_only_the_actor(trained, small_assets, tmp_path, name):
+    cfg = _config(small_assets, tmp_path, name, n=4, rollout_batch=4, mini_batch=2)
+    models, metrics, _ = _step(trained, cfg, Runtime())
+    assert models.critic is None
+    assert not any(k.startswith("critic/v") for k in metrics)  # no critic: no values, no value loss
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl", "critic/score/mean", "reward/rm/mean"):
+        assert math.isfinite(metrics[key]), key
+    # The KL goes into the loss for GRPO (kl.loss_coef reported as the coefficient), into the reward otherwise.
+    assert ("actor/kl_loss" in metrics) == (name == "grpo")
+    assert metrics["actor/kl_coef"] == (0.1 if name == "grpo" else cfg.kl.coef)
+    assert metrics["reward/rm/mean"] == pytest.approx(metrics["critic/score/mean"], abs=1e-6)
+
+
+def test_group_advantages_are_centred_per_prompt(trained, small_assets, tmp_path, monkeypatch):
+    """RLOO's advantages of one prompt's samples sum to zero: each prompt really got its own group."""
+    import rlflow.engine.stages.rl.step as ppo_module
+
+    cfg = _config(small_assets, tmp_path, "rloo", n=4, rollout_batch=4, mini_batch=4)
+    seen = []
+    original = ppo_module.assemble_experience
+    monkeypatch.setattr(ppo_module, "assemble_experience", lambda *a, **k: seen.append(original(*a, **k)) or seen[-1])
+    _step(trained, cfg, Runtime())
+    exp = seen[-1]
+    per_row = exp.advantages[:, 0]  # the same on every token of a row
+    assert per_row.shape == (16,) and per_row.abs().sum() > 0
+    assert torch.allclose(per_row.reshape(4, 4).sum(1), torch.zeros(4), atol=1e-5)
+    prompts = exp.batch.input_ids[:, : exp.batch.prompt_width].reshape(4, 4, -1)
+    assert all(torch.equal(g[0], g[i]) for g in prompts for i in range(4))  # a group is one prompt
+
+
+def test_grpo_stage_checkpoints_no_critic_and_resumes(trained, small_assets, tmp_path):
+    sft_dir, rm_dir, norm = trained
+    cfg = _config(small_assets, tmp_path, "grpo", n=2, steps=3)
+    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None)
+    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    sink = RecordingSink()
+    ctx = make_ctx(tmp_path, "ppo", sink=sink, every=1)
+    stage_inputs = rl_inputs(cfg, inputs, no_gold, rollout=cfg.rollout, objective=objective, reward=cfg.reward)
+    outcome = run_ppo_stage(ctx, stage_inputs)
+    assert outcome.step == 3
+    names = list(ctx.store.manifest(3)["files"])
+    assert any(n.startswith("optim/model.") for n in names) and not any("critic" in n for n in names), names
+    assert [s for s, _ in sink.series("actor/kl_loss")] == [1, 2, 3]
+    # Stopped after step 2 and started again with 3 steps: the uninterrupted stage's final state.
+    ctx2 = make_ctx(tmp_path / "again", "ppo", every=1)
+    short = cfg.ppo.model_copy(update={"steps": 2})
+    run_ppo_stage(ctx2, dataclasses.replace(stage_inputs, ppo=short))
+    (tmp_path / "again" / "ppo" / "final.json").unlink()  # as if killed before the stage ended
+    resumed = run_ppo_stage(ctx2, stage_inputs)
+    assert resumed.resumed_from == 2
+    shards = lambda c: {n: e["sha256"] for n, e in c.store.manifest(3)["files"].items() if n.startswith("optim/")}
+    assert shards(ctx2) == shards(ctx)
+
+
+def _with_sources(small_assets, tmp_path, sources, **reward):
+    cfg = _config(small_assets, tmp_path, "grpo", n=2, rollout_batch=4, mini_batch=4)
+    tree = cfg.model_dump(mode="json") | {"reward": {"sources": sources, "workers": 2} | reward}
+    return build_config(tree, "t")
+
+
+def _step_with_pool(trained, cfg):
+    sft_dir, rm_dir, norm = trained
+    runtime = Runtime()
+    models = load_ppo_models(
+        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None), cfg.model, cfg.ppo, no_gold, runtime
+    )
+    records = load_prompts(cfg.data.prompts)
+    prompts, _, _ = encode_prompt_set(models.tokenizer, records, 32, "truncate", "prompts")
+    pool = start_reward_pool(cfg.reward)
+    try:
+        source = build_reward_source(cfg.reward, models.scoring, None, pool, runtime, cfg.model)
+        models = dataclasses.replace(models, reward=source)
+        objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+        return ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 4, objective)
+    finally:
+        pool.close()
+
+
+def test_weighted_sources_are_summed_and_each_is_logged(trained, small_assets, tmp_path):
+    sources = [
+        {"name": "rm", "type": "model", "weight": 1.0},
+        {"name": "nice", "type": "keyword", "weight": 0.5, "kwargs": {"keywords": ["the", "."], "mode": "fraction"}},
+        {
+            "name": "chars",
+            "type": "function",
+            "weight": 2.0,
+            "fn": "helpers.reward_fns:scaled_length",
+            "kwargs": {"scale": 0.01},
+        },
+    ]
+    metrics = _step_with_pool(trained, _with_sources(small_assets, tmp_path, sources))
+    means = {n: metrics[f"reward/{n}/mean"] for n in ("rm", "nice", "chars")}
+    assert means["chars"] > 0 and 0 < means["nice"] <= 1  # the rule and the function really scored
+    expected = means["rm"] + 0.5 * means["nice"] + 2.0 * means["chars"]
+    assert metrics["critic/score/mean"] == pytest.approx(expected, abs=1e-5)
+    assert metrics["reward/chars/skipped"] == 0.0
+
+
+def test_a_failing_reward_function_names_itself_or_is_skipped_and_counted(trained, small_assets, tmp_path):
+    sources = [{"name": "boom", "type": "function", "fn": "helpers.reward_fns:scripted", "kwargs": {"behave": "raise"}}]
+    with pytest.raises(RewardFunctionError, match=r"boom.*reward_fns:scripted.*ValueError.*reward.on_error=skip"):
+        _step_with_pool(trained, _with_sources(small_assets, tmp_path, sources))
+    metrics = _step_with_pool(trained, _with_sources(small_assets, tmp_path, sources, on_error="skip"))
+    assert metrics["reward/boom/skipped"] == 8.0 and metrics["reward/boom/mean"] == 0.0
+
+
+@pytest.mark.parametrize("whole", [[], ["embed_tokens"]], ids=["adapters", "adapters+embedding"])
+def test_lora_actor_trains_adapters_and_its_reference_is_itself_with_adapters_off(
+    trained, small_assets, tmp_path, whole
+):
+    from rlflow.engine.models.lora import AdaptersOffView, trainable_parameters
+    from rlflow.engine.models.loading import load_policy
+
+    cfg = _config(small_assets, tmp_path, "grpo", n=2, rollout_batch=4, mini_batch=4)
+    lora = {"r": 4, "modules_to_save": whole}
+    cfg = build_config(cfg.model_dump(mode="json") | {"model": {**cfg.model.model_dump(), "lora": lora}}, "t")
+    models, metrics, prompts = _step(trained, cfg, Runtime())
+    assert isinstance(models.scoring.reference, AdaptersOffView)
+    embedding = models.actor.model.get_input_embeddings().weight.numel() if whole else 0  # tied head: counted once
+    adapters = 2 * 4 * 4 * (128 + 128)  # layers x q,k,v,o x r x (in + out)
+    assert trainable_parameters(models.actor.model)[0] == adapters + embedding
+    assert metrics["actor/kl"] == 0.0  # step 1 samples from the reference itself
+    ids = torch.tensor([list(prompts.token_ids[0])])
+    sft = load_policy(trained[0])
+    with torch.no_grad():
+        base = sft(input_ids=ids).logits
+        assert torch.equal(models.scoring.reference(input_ids=ids).logits, base)  # the base never trained
+        assert not torch.allclose(models.actor.model(input_ids=ids).logits, base)  # the adapters did

@@ -1,0 +1,94 @@
+"""Evaluating a policy on the tiny demo model: prompts encoded (or all dropped, naming the file),
+and each metric against numbers recomputed from the same draw: gold score and its standard
+error, the reward model's normalised score, KL (zero to itself), length, valid fraction."""
+
+import math
+
+import pytest
+import torch
+
+from rlflow.engine.algorithms.stats import distinct_n
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.data.records import PromptRecord
+from rlflow.engine.errors import DataError
+from rlflow.engine.models.loading import load_policy, load_tokenizer
+from rlflow.engine.rewards.model_scores import ScoringModels
+from rlflow.engine.rollout.generate import generate_rollouts
+from rlflow.engine.stages.evaluation import encode_prompt_set, evaluate_policy
+
+SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8)
+RECORDS = [PromptRecord(p, {"bonus": i}) for i, p in enumerate(["1 + 1 =", "2 + 5 =", "hello", "3 x 3 ="])]
+
+
+class LastTokenScorer(torch.nn.Module):
+    def forward(self, input_ids, attention_mask):
+        return input_ids.float()
+
+
+def gold(prompt, response, bonus):
+    """0.1 per character, bonus on top; 'valid' when the answer is not empty."""
+    return {"score": 0.1 * len(response) + bonus, "valid": float(bool(response.strip()))}
+
+
+@pytest.fixture(scope="module")
+def tiny(small_assets):
+    model_dir = str(small_assets / "tiny-model")
+    return load_policy(model_dir).eval(), load_tokenizer(model_dir)
+
+
+def test_prompts_are_encoded_in_order_and_an_empty_set_names_the_file(tiny):
+    _, tokenizer = tiny
+    prompts, truncated, dropped = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
+    assert prompts.records == tuple(RECORDS) and (truncated, dropped) == (0, 0)
+    assert list(prompts.token_ids[2]) == tokenizer("hello", add_special_tokens=False)["input_ids"]
+    with pytest.raises(DataError, match=r"eval\.jsonl: every prompt is longer than data\.max_prompt_tokens=1"):
+        encode_prompt_set(tokenizer, [PromptRecord("a much longer prompt than one token", {})], 1, "drop", "eval.jsonl")
+
+
+def test_metrics_are_the_draws_own_numbers(tiny):
+    policy, tokenizer = tiny
+    prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
+    models = ScoringModels(LastTokenScorer(), (100.0, 50.0), reference=policy, sft=policy, gold=gold)
+    metrics, rows = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=8, n_samples=2)
+
+    # the same draw: one chunk of all four prompts, seeded seed + 0
+    batch = generate_rollouts(policy, tokenizer, prompts.token_ids, SAMPLING, 9)
+    texts = list(batch.response_texts)
+    scores = [0.1 * len(t) + i for i, t in enumerate(texts)]
+    mean = sum(scores) / 4
+    stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / 3 / 4)
+    last = batch.attention_mask.shape[1] - 1 - batch.attention_mask.flip(1).argmax(1)
+    rm = (batch.input_ids.gather(1, last[:, None]).squeeze(1).float() - 100.0) / 50.0
+    assert metrics["eval/gold_score"] == pytest.approx(mean)
+    assert metrics["eval/gold_score_stderr"] == pytest.approx(stderr)
+    assert metrics["eval/rm_score"] == pytest.approx(float(rm.mean()))
+    assert metrics["eval/kl"] == pytest.approx(0.0, abs=1e-6) and metrics["eval/kl_to_sft"] == pytest.approx(0, abs=1e-6)
+    assert metrics["eval/response_length"] == pytest.approx(float(batch.response_mask.sum(1).mean()))
+    assert metrics["eval/distinct_2"] == pytest.approx(distinct_n([t.split() for t in texts], 2))
+    assert metrics["eval/valid_fraction"] == sum(bool(t.strip()) for t in texts) / 4
+    assert metrics["eval/gold/valid"] == metrics["eval/valid_fraction"]
+    assert [r["response"] for r in rows] == texts[:2] and rows[1]["gold_score"] == pytest.approx(scores[1])
+    assert rows[0]["rm_score"] == pytest.approx(float(rm[0]))
+
+
+def test_chunks_do_not_change_the_answers_only_their_seeds_spans(tiny):
+    policy, tokenizer = tiny
+    prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
+    models = ScoringModels(None, None, reference=policy, sft=policy, gold=gold)
+    _, rows = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=2, n_samples=4)
+    # chunk [2, 4) is seeded 9 + 2
+    second = generate_rollouts(policy, tokenizer, prompts.token_ids[2:], SAMPLING, 11)
+    assert [r["response"] for r in rows[2:]] == list(second.response_texts)
+
+
+def test_without_a_reward_model_there_is_no_rm_score_and_kl_to_another_policy_is_positive(tiny, small_assets):
+    policy, tokenizer = tiny
+    other = load_policy(str(small_assets / "tiny-model")).eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
+    models = ScoringModels(None, None, reference=policy, sft=other, gold=gold)
+    metrics, rows = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=1, batch_size=8, n_samples=1)
+    assert "eval/rm_score" not in metrics and rows[0]["rm_score"] is None
+    assert metrics["eval/kl"] == pytest.approx(0.0, abs=1e-6) and metrics["eval/kl_to_sft"] > 1e-4

@@ -1,0 +1,96 @@
+"""The short stages on the tiny demo model: answer pairs (a function of seed and round), online
+labelling (chosen and rejected as the labeller said, ties and empty answers dropped, a held-out
+share), and the round's evaluation of its start and final policy."""
+
+import json
+
+import pytest
+
+from conftest import RecordingSink, small_config_tree
+from helpers.stage_ctx import make_ctx
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.stages.label_eval import (
+    PAIRS_EVAL_FILE,
+    PAIRS_FILE,
+    RESULTS_FILE,
+    EvalInputs,
+    EvalStageInputs,
+    LabelStageInputs,
+    run_eval_stage,
+    run_label_stage,
+    sample_answer_pairs,
+)
+
+SAMPLING = SamplingParams(1.0, 1.0, 6)
+
+
+@pytest.fixture
+def cfg(small_assets, tmp_path):
+    return build_config(small_config_tree(small_assets, tmp_path), "t")
+
+
+def longer(prompt, a, b, rng, **fields):
+    """Prefers the longer answer; a tie when both are as long."""
+    return None if len(a) == len(b) else 0 if len(a) > len(b) else 1
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_answer_pairs_are_a_function_of_seed_and_round(cfg, small_assets):
+    policy = str(small_assets / "tiny-model")
+    pairs = sample_answer_pairs(policy, cfg.model, cfg.data, SAMPLING, 6, seed=3, round_index=0)
+    assert len(pairs) == 6
+    assert pairs == sample_answer_pairs(policy, cfg.model, cfg.data, SAMPLING, 6, seed=3, round_index=0)
+    other = sample_answer_pairs(policy, cfg.model, cfg.data, SAMPLING, 6, seed=3, round_index=1)
+    assert [p[0].prompt for p in other] != [p[0].prompt for p in pairs]
+    assert any(a != b for _, a, b in pairs)  # two draws, not one answer twice
+
+
+def test_labelled_pairs_follow_the_labeller_and_count_what_was_dropped(cfg, small_assets, tmp_path):
+    inputs = LabelStageInputs(str(small_assets / "tiny-model"), cfg.model, cfg.data, SAMPLING, longer, {}, 24, 0.25)
+    ctx = make_ctx(tmp_path, "label", sink=RecordingSink())
+    outcome = run_label_stage(ctx, inputs)
+    train = read_jsonl(f"{outcome.checkpoint_uri}/{PAIRS_FILE}")
+    held = read_jsonl(f"{outcome.checkpoint_uri}/{PAIRS_EVAL_FILE}")
+    m = outcome.metrics
+    assert (m["label/pairs"], m["label/pairs_eval"]) == (len(train), len(held))
+    assert len(train) + len(held) + m["label/ties_dropped"] + m["label/empty_dropped"] == 24
+    assert len(held) == round(0.25 * (len(train) + len(held)))
+    assert all(len(r["chosen"]) > len(r["rejected"]) and r["rejected"].strip() for r in train + held)
+    assert ctx.sink.metrics == [(0, m)]
+    again = run_label_stage(make_ctx(tmp_path, "label"), inputs)  # the stage's final marker: not run twice
+    assert again.skipped and again.metrics == m
+
+
+def test_without_a_held_out_share_no_eval_file_is_written(cfg, small_assets, tmp_path):
+    inputs = LabelStageInputs(str(small_assets / "tiny-model"), cfg.model, cfg.data, SAMPLING, longer, {}, 8)
+    outcome = run_label_stage(make_ctx(tmp_path, "label"), inputs)
+    assert "label/pairs_eval" not in outcome.metrics
+    with pytest.raises(FileNotFoundError):
+        read_jsonl(f"{outcome.checkpoint_uri}/{PAIRS_EVAL_FILE}")
+
+
+def test_evaluation_measures_start_and_final_policy_on_the_same_prompts_and_seed(cfg, small_assets, tmp_path):
+    policy = str(small_assets / "tiny-model")
+    paths = EvalInputs(policy, policy, policy, policy, reward_model=None, score_norm=None)
+
+    def gold(prompt, response, **fields):
+        return float(len(response))
+
+    eval_cfg = cfg.eval.model_copy(update={"num_prompts": 6, "num_logged_samples": 3})
+    sink = RecordingSink()
+    ctx = make_ctx(tmp_path, "eval", sink=sink)
+    outcome = run_eval_stage(ctx, EvalStageInputs(paths, cfg.model, cfg.data, eval_cfg, SAMPLING, gold))
+    m = outcome.metrics
+    # the same policy twice, the same seed: the same answers, so every number agrees
+    assert m["gold_score_before"] == m["gold_score_after"] and m["kl_before"] == pytest.approx(0.0, abs=1e-6)
+    assert "rm_score_after" not in m
+    assert [step for step, _ in sink.metrics] == [0, 1]
+    assert set(sink.tables) == {"eval_samples_before.json", "eval_samples_after.json"}
+    results = ctx.store.read_json(0, RESULTS_FILE)
+    assert len(results["after"]["samples"]) == 3
+    assert results["before"]["metrics"]["eval/gold_score"] == m["gold_score_before"]

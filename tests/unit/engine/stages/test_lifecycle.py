@@ -1,0 +1,90 @@
+"""A stage's identity (config subtree, inputs, data fingerprints) and software versions travel
+with its checkpoints; continuing under a changed identity is refused unless
+resume.allow_config_change is set, which continues and reports the changed keys."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import RecordingSink, small_config_tree
+from helpers.stage_ctx import make_call
+from rlflow.engine.storage.checkpoint import CheckpointStore
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.errors import CheckpointError
+from rlflow.engine.stages.lifecycle import changed_keys, compute_identity
+from rlflow.engine.stages.worker import make_context, run_stage_call
+
+
+def setup(assets, root, lr=2e-3, allow=False):
+    tree = small_config_tree(
+        assets,
+        root,
+        sft={"max_steps": 6, "eval_every": 3, "batch_size": 16, "warmup_steps": 1, "log_every": 1, "lr": lr},
+        checkpoint={"every_steps": 2, "keep_last": 5},
+        resume={"allow_config_change": allow},
+    )
+    config = build_config(tree, "test")
+    identity_tree = {"config": {"sft": config.sft.model_dump(mode="json")}}
+    identity = f"id-{lr}"
+    call = make_call(root, "sft", identity, identity_tree, init_path=str(assets / "tiny-model"))
+    return config, call
+
+
+def run(config, call, sink=None):
+    return run_stage_call(make_context(config, call, sink or RecordingSink()), config, call)
+
+
+def test_a_changed_identity_is_refused_unless_allowed_then_continues_and_reports_the_keys(small_assets, tmp_path):
+    config, call = setup(small_assets, tmp_path)
+    run(config, call)
+    store = CheckpointStore(call.store_url)
+    meta = store.manifest(6)["meta"]
+    assert meta["identity_tree"] == call.identity_tree and meta["versions"]["torch"] == torch.__version__
+    # As if killed after committing step 4.
+    os.remove(tmp_path / "sft" / "final.json")
+    store.delete_step(6)
+
+    changed_config, changed_call = setup(small_assets, tmp_path, lr=1e-3)
+    refused = r"interrupted at step 4 under a different configuration .*changed: sft.lr"
+    with pytest.raises(CheckpointError, match=refused):
+        run(changed_config, changed_call)
+    assert store.committed_steps() == [2, 4] and store.final() is None  # nothing touched
+
+    allowed_config, allowed_call = setup(small_assets, tmp_path, lr=1e-3, allow=True)
+    sink = RecordingSink()
+    outcome = run(allowed_config, allowed_call, sink)
+    assert outcome.resumed_from == 4 and outcome.step == 6 and outcome.changed_keys == ("sft.lr",)
+    assert [s for s, _ in sink.series("sft/loss")] == [5, 6]
+    assert store.manifest(6)["meta"]["identity_tree"] == allowed_call.identity_tree
+
+    # Finished: the original config is now the changed one; refused, then kept when allowed.
+    original_config, original_call = setup(small_assets, tmp_path)
+    with pytest.raises(CheckpointError, match=r"already finished with a different configuration .*sft.lr"):
+        run(original_config, original_call)
+    kept = run(setup(small_assets, tmp_path, allow=True)[0], original_call)
+    assert kept.skipped and kept.changed_keys == ("sft.lr",) and kept.manifest_sha256 == outcome.manifest_sha256
+
+
+def test_resume_verifies_the_step_and_refuses_a_damaged_file_without_touching_anything(small_assets, tmp_path):
+    config, call = setup(small_assets, tmp_path)
+    run(config, call)
+    os.remove(tmp_path / "sft" / "final.json")  # as if killed after committing step 6
+    shard = tmp_path / "sft" / "step_000006" / "optim" / "model.rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit in the middle of Adam's state
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step_000006/optim/model.rank00000.safetensors is corrupted.*delete"):
+        run(config, call)
+    assert shard.read_bytes() == bytes(data) and CheckpointStore(call.store_url).committed_steps() == [2, 4, 6]
+
+
+def test_an_identity_is_the_trees_content_whatever_its_key_order():
+    tree = {"config": {"ppo": {"steps": 3, "clip_ratio": 0.2}}, "inputs": {"policy": "a"}}
+    reordered = {"inputs": {"policy": "a"}, "config": {"ppo": {"clip_ratio": 0.2, "steps": 3}}}
+    assert compute_identity(tree) == compute_identity(reordered)
+    assert len(compute_identity(tree)) == 64
+    changed = {"config": {"ppo": {"steps": 4, "clip_ratio": 0.2}}, "inputs": {"policy": "b"}}
+    assert compute_identity(changed) != compute_identity(tree)
+    assert set(changed_keys(tree, changed)) == {"ppo.steps", "inputs.policy"}
+    assert changed_keys(tree, reordered) == ("(inputs)",)  # nothing named: the inputs' hashes differ
