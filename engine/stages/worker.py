@@ -191,7 +191,7 @@ def main(spec_url: str) -> None:
         spec = json.load(f)
     config = build_config(merge_trees(spec["config"], secrets), spec_url)
     call = StageCall.model_validate(spec["call"])
-    set_threads(int(os.environ.get("OMP_NUM_THREADS") or config.run.threads))
+    set_threads(config.run.threads)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # the process group does not exist yet
     ctx = make_context(config, call, EventSink() if main_rank else NullSink())
     outcome = run_stage_call(ctx, config, call)

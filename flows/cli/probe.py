@@ -150,16 +150,15 @@ def probed_algorithm(config: Any) -> str:
 
 
 def command_probe(args: argparse.Namespace) -> int:
-    import torch
-
     from rlflow.engine.backend.factory import make_runtime
     from rlflow.engine.config.schema import load_config
     from rlflow.engine.estimate.probe import run_probe
+    from rlflow.engine.stages.lifecycle import set_threads
 
     config = load_config(args.config, args.overrides)
     check_probe_config(config, args.steps)
     inputs = probe_inputs(config, args.reward_model)
-    torch.set_num_threads(config.run.threads)
+    set_threads(config.run.threads)
     runtime = make_runtime(config.engine)
     what = probed_algorithm(config)
     print(f"rlflow: probing {args.steps} {what} step(s) of {args.config} on {runtime.device}", flush=True)

@@ -27,7 +27,10 @@ def test_a_started_server_is_found_reported_and_not_started_twice(mlflow_server_
     assert "prefect  stopped" in status
     # `rlflow run` reports to the servers `make up` started, unless the environment names others.
     monkeypatch.setattr(servers_module, "STATE_DIR", server.state_dir)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # setenv first: delenv of an unset variable records nothing to restore, and configure_prefect_env
+    # sets it behind monkeypatch's back (it leaked into every later test of the process).
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "unset-by-the-test")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     configure_prefect_env()
     assert os.environ["MLFLOW_TRACKING_URI"] == server.url
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://elsewhere:5000")

@@ -12,7 +12,7 @@ from helpers.stage_ctx import make_call
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.errors import CheckpointError
-from rlflow.engine.stages.lifecycle import changed_keys, compute_identity
+from rlflow.engine.stages.lifecycle import changed_keys, compute_identity, set_threads
 from rlflow.engine.stages.worker import make_context, run_stage_call
 
 
@@ -88,3 +88,16 @@ def test_an_identity_is_the_trees_content_whatever_its_key_order():
     assert compute_identity(changed) != compute_identity(tree)
     assert set(changed_keys(tree, changed)) == {"ppo.steps", "inputs.policy"}
     assert changed_keys(tree, reordered) == ("(inputs)",)  # nothing named: the inputs' hashes differ
+
+
+def test_threads_come_from_omp_num_threads_when_it_is_set_and_from_the_config_otherwise(monkeypatch):
+    saved = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        set_threads(3)
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what a launcher packing ranks onto cores sets
+        set_threads(3)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(saved)
