@@ -175,7 +175,7 @@ def stop(server: Server, grace_s: float = 15.0) -> str:
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _alive(pgid) or _group_members(pgid):
+    while _group_members(pgid):  # the leader is one of them (and is reaped there if it is our child)
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)

