@@ -6,10 +6,12 @@ Each is started once per test session: they are the expensive parts of the suite
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -148,11 +150,8 @@ def s3_bucket():
             werkzeug.setLevel(level)
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    """A real `prefect server start` on a free port; PREFECT_API_URL points every test (and the
-    CLI subprocesses they start) at it, so no test pays for a temporary server."""
-    home = tmp_path_factory.mktemp("prefect-home")
+def _start_prefect_server(home: Path) -> tuple[subprocess.Popen, str]:
+    """`prefect server start` on a free port with its own home and sqlite file; not waited for."""
     port = _free_port()
     env = dict(
         os.environ,
@@ -161,36 +160,82 @@ def prefect_server(tmp_path_factory):
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
     )
     env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "wb")
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
+    with open(home / "server.log", "wb") as log:
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, f"http://127.0.0.1:{port}/api"
+
+
+def _wait_healthy(url: str, home: Path, proc: subprocess.Popen | None, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             urllib.request.urlopen(f"{url}/health", timeout=2).read()
-            break
+            return
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                if proc is not None:
+                    proc.kill()
                 raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
             time.sleep(0.5)
+
+
+# Under xdist the controller starts one Prefect server for all its workers (they inherit these), in
+# the background while they collect: a second server would cost ~20 s of a core to start and keep
+# polling its services all run. Only for runs that reach the tests that use it.
+SHARED_PREFECT = ("RLFLOW_TEST_PREFECT_URL", "RLFLOW_TEST_PREFECT_HOME")
+SHARED_PREFECT_PROC = pytest.StashKey[subprocess.Popen]()
+PREFECT_USERS = ("scenarios", "infra")
+
+
+def pytest_configure(config):
+    controller = config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput")
+    if not controller or os.environ.get(SHARED_PREFECT[0]):
+        return
+    tests = Path(__file__).parent
+    paths = [Path(str(arg).split("::")[0]).resolve() for arg in config.args]
+    if not any(p == tests or any(p.is_relative_to(tests / name) for name in PREFECT_USERS) for p in paths):
+        return
+    home = Path(tempfile.mkdtemp(prefix="rlflow-test-prefect-"))
+    proc, url = _start_prefect_server(home)
+    config.stash[SHARED_PREFECT_PROC] = proc
+    os.environ.update(dict(zip(SHARED_PREFECT, (url, str(home)))))
+
+
+def pytest_unconfigure(config):
+    proc = config.stash.get(SHARED_PREFECT_PROC, None)
+    if proc is not None:
+        stop_process(proc)
+        shutil.rmtree(os.environ.pop(SHARED_PREFECT[1]), ignore_errors=True)
+        os.environ.pop(SHARED_PREFECT[0])
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real `prefect server start` on a free port (the controller's, under xdist); PREFECT_API_URL
+    points every test (and the CLI subprocesses they start) at it, so no test pays for a temporary server."""
+    proc = None
+    if os.environ.get(SHARED_PREFECT[0]):
+        url, home = os.environ[SHARED_PREFECT[0]], Path(os.environ[SHARED_PREFECT[1]])
+    else:
+        home = tmp_path_factory.mktemp("prefect-home")
+        proc, url = _start_prefect_server(home)
+    _wait_healthy(url, home, proc)
     saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH")}
-    os.environ.update(
-        PREFECT_API_URL=url, PREFECT_HOME=str(home), PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results")
-    )
+    results = home / "results" / os.environ.get("PYTEST_XDIST_WORKER", "main")  # a worker reads back its own
+    os.environ.update(PREFECT_API_URL=url, PREFECT_HOME=str(home), PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(results))
     try:
         yield url
     finally:
         for key, value in saved.items():
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-        stop_process(proc)
-        log.close()
+        if proc is not None:
+            stop_process(proc)
 
 
 @pytest.fixture(scope="session")

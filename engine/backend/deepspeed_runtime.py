@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from rlflow.engine.backend import dist
 from rlflow.engine.errors import ConfigError, NonFiniteUpdates
+from rlflow.engine.backend.deepspeed_import import import_deepspeed
 from rlflow.engine.backend.runtime import OptimSpec, Runtime, TrainEngine
 from rlflow.engine.config.execution import EngineConfig
 from rlflow.engine.config.model import LoraConfig
@@ -187,7 +188,7 @@ class DeepSpeedRuntime(Runtime):
     name = "deepspeed"
 
     def __init__(self, cfg: EngineConfig):
-        import deepspeed
+        deepspeed = import_deepspeed()  # the first import in a rank: MLflow stays out
 
         super().__init__(cfg)
         _single_process_env()

@@ -18,6 +18,7 @@ from typing import Any
 import fsspec
 
 from rlflow.engine.backend import dist
+from rlflow.engine.backend.deepspeed_import import preload_deepspeed
 from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.backend.factory import make_runtime
 from rlflow.engine.stages.breaker import PPOGuards, StageOverrides
@@ -192,6 +193,7 @@ def main(spec_url: str) -> None:
     config = build_config(merge_trees(spec["config"], secrets), spec_url)
     call = StageCall.model_validate(spec["call"])
     set_threads(config.run.threads)
+    preload_deepspeed()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # the process group does not exist yet
     ctx = make_context(config, call, EventSink() if main_rank else NullSink())
     outcome = run_stage_call(ctx, config, call)
