@@ -26,7 +26,7 @@ def import_deepspeed() -> ModuleType:
     try:
         return importlib.import_module("deepspeed")
     finally:
-        if hide and sys.modules.get("mlflow", 0) is None:
+        if hide:
             del sys.modules["mlflow"]
 
 
