@@ -1,7 +1,8 @@
-"""Per-token policy and value losses, and how they are averaged, as pure functions.
+"""The per-token value loss, and how per-token losses are averaged, as pure functions.
 
-Per-token losses are returned unreduced; averaging is a separate, explicit choice made with
-``aggregate_loss`` (LOSS_AGGREGATIONS). Shapes as in engine.algorithms.stats.
+Per-token losses (this value loss, engine/algorithms/policy_losses.py's policy losses) are returned
+unreduced; averaging is a separate, explicit choice made with ``aggregate_loss``
+(LOSS_AGGREGATIONS). Shapes as in engine.algorithms.stats.
 """
 
 from __future__ import annotations
@@ -10,39 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlflow.engine.algorithms.stats import LOG_RATIO_CLAMP, masked_mean, masked_sum, pick_variant, require_same_shape
-
-# --------------------------------------------------------------------------- PPO losses
-
-
-def ppo_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_ratio: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate, per token (Schulman et al. 2017).
-
-    logprobs (current policy, carries grad), old_logprobs (behaviour policy), advantages:
-    all [B, T]. With r = exp(logprobs - old_logprobs):
-        loss = max(-A * r, -A * clip(r, 1 - clip_ratio, 1 + clip_ratio))
-    Returns, all [B, T] and unmasked:
-        per_token_loss (to minimise, advantage units),
-        per_token_clipped (float 1.0 where the clipped term is strictly larger, i.e. taken),
-        per_token_approx_kl (old_logprobs - logprobs, nats, detached; a k1 estimate of
-        KL(old || new)).
-    The log-ratio is clamped to [-20, 20] so r stays finite; this never binds for usable r.
-    """
-    require_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
-    per_token_loss = torch.maximum(loss_unclipped, loss_clipped)
-    per_token_clipped = (loss_clipped > loss_unclipped).to(logprobs.dtype).detach()
-    per_token_approx_kl = (old_logprobs - logprobs).detach()
-    return per_token_loss, per_token_clipped, per_token_approx_kl
-
+from rlflow.engine.algorithms.stats import masked_mean, masked_sum, pick_variant, require_same_shape
 
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_range: float
@@ -63,25 +32,39 @@ def value_loss(
     return per_token_loss, per_token_clipped
 
 
-def _token_mean(per_token, mask, num_tokens):
-    denominator = mask.bool().sum().clamp(min=1) if num_tokens is None else num_tokens
-    return masked_sum(per_token, mask) / denominator
+def _token_sums(per_token, mask, norm_length):
+    return masked_sum(per_token, mask).unsqueeze(0)  # one "row": units are tokens (loss_sum_and_units)
 
 
-def _seq_mean_token_sum(per_token, mask, num_tokens):
-    return masked_sum(per_token, mask, dim=-1).mean()
+def _row_sums(per_token, mask, norm_length):
+    return masked_sum(per_token, mask, dim=-1)
 
 
-def _seq_mean_token_mean(per_token, mask, num_tokens):
-    return masked_mean(per_token, mask, dim=-1).mean()
+def _row_means(per_token, mask, norm_length):
+    return masked_mean(per_token, mask, dim=-1)
 
 
-# Each maps (per_token [B, T], mask [B, T], num_tokens) to a 0-dim loss.
+def _row_sums_over_length(per_token, mask, norm_length):
+    return masked_sum(per_token, mask, dim=-1) / norm_length
+
+
+# Each maps (per_token [B, T], mask [B, T], norm_length) to per-row shares [B] (token-mean: one
+# total [1]) whose sum over the batch, divided by its units (tokens or rows), is the loss.
 LOSS_AGGREGATIONS: dict[str, Callable] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-mean": _seq_mean_token_mean,
+    "token-mean": _token_sums,
+    "seq-mean-token-sum": _row_sums,
+    "seq-mean-token-mean": _row_means,
+    "seq-mean-token-sum-norm": _row_sums_over_length,
 }
+
+
+def _shares(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None) -> torch.Tensor:
+    aggregation = pick_variant(LOSS_AGGREGATIONS, mode, "loss aggregation mode")
+    if (mode == "seq-mean-token-sum-norm") != (norm_length is not None):
+        raise ValueError(f"norm_length is given with, and only with, mode 'seq-mean-token-sum-norm' (mode {mode!r})")
+    if norm_length is not None and norm_length <= 0:
+        raise ValueError(f"norm_length must be positive, got {norm_length}")
+    return aggregation(per_token, mask, norm_length)
 
 
 def aggregate_loss(
@@ -89,6 +72,7 @@ def aggregate_loss(
     mask: torch.Tensor,
     mode: str,
     num_tokens: float | torch.Tensor | None = None,
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to a 0-dim tensor over masked tokens.
 
@@ -99,29 +83,37 @@ def aggregate_loss(
         "seq-mean-token-sum": per-row sum over masked tokens, then mean over the B rows.
         "seq-mean-token-mean": per-row mean over masked tokens, then mean over the B rows
             (a row with no tokens contributes 0).
-    num_tokens is only meaningful for "token-mean"; passing it with another mode raises
-    ValueError rather than being silently ignored. Unknown mode raises ValueError.
+        "seq-mean-token-sum-norm": per-row sum over masked tokens divided by the constant
+            `norm_length` (Dr. GRPO: the generation budget, so a token weighs the same in a short
+            and a long answer and length brings no bias), then mean over the B rows.
+    num_tokens only applies to "token-mean" and norm_length only (and always) to
+    "seq-mean-token-sum-norm"; anything else raises ValueError rather than being silently ignored,
+    as does an unknown mode.
     """
-    aggregation = pick_variant(LOSS_AGGREGATIONS, mode, "loss aggregation mode")
-    if num_tokens is not None:
-        if mode != "token-mean":
+    shares = _shares(per_token, mask, mode, norm_length)
+    if mode != "token-mean":
+        if num_tokens is not None:
             raise ValueError(f"num_tokens only applies to mode 'token-mean', not {mode!r}")
-        if not isinstance(num_tokens, torch.Tensor) and num_tokens <= 0:
-            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    return aggregation(per_token, mask, num_tokens)
+        return shares.mean()
+    if num_tokens is not None and not isinstance(num_tokens, torch.Tensor) and num_tokens <= 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    return shares.sum() / (mask.bool().sum().clamp(min=1) if num_tokens is None else num_tokens)
 
 
-def loss_sum_and_units(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, float]:
+def loss_sum_and_units(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None
+) -> tuple[torch.Tensor, float]:
     """A micro-batch's share of an aggregated loss: (sum, units) with aggregate = sum / units.
 
     per_token, mask: [B, T]. Summing the sums of all micro-batches and ranks and dividing by their
     summed units gives ``aggregate_loss`` of the whole batch: units are masked tokens for
-    "token-mean", rows for the "seq-mean-*" modes.
+    "token-mean", rows for the "seq-mean-*" modes. norm_length: as in ``aggregate_loss``.
     """
-    pick_variant(LOSS_AGGREGATIONS, mode, "loss aggregation mode")
-    if mode == "token-mean":
-        return masked_sum(per_token, mask), float(mask.bool().sum())
-    per_row = (
-        masked_sum(per_token, mask, dim=-1) if mode == "seq-mean-token-sum" else masked_mean(per_token, mask, dim=-1)
-    )
-    return per_row.sum(), float(per_token.shape[0])
+    shares = _shares(per_token, mask, mode, norm_length)
+    return shares.sum(), loss_units(mask, mode)
+
+
+def loss_units(mask: torch.Tensor, mode: str) -> float:
+    """Units a loss over rows with response mask `mask` [B, T] is normalised by: masked tokens
+    for "token-mean", rows for the "seq-mean-*" modes."""
+    return float(mask.bool().sum()) if mode == "token-mean" else float(mask.shape[0])

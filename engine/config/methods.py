@@ -14,6 +14,9 @@ from rlflow.engine.config.base import FunctionRef, Section, SupervisedSection, f
 # The policy-gradient estimators (engine/algorithms/advantages.py ADVANTAGE_ESTIMATORS) and DPO, which
 # replaces the reward-model and RL stages of a round.
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "dpo")
+# engine/algorithms/policy_losses.py POLICY_LOSSES and engine/algorithms/rollout_correction.py CORRECTIONS.
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
 
 
 class AlgorithmConfig(Section):
@@ -24,6 +27,17 @@ class AlgorithmConfig(Section):
     (replaces the round's reward-model and RL stages); see docs/algorithms.md."""
     norm_std: bool = True
     """GRPO: divide each group's centred scores by the group's std (Dr. GRPO sets this off)."""
+    policy_loss: Annotated[str, one_of(POLICY_LOSSES, "algorithm.policy_loss")] = "ppo"
+    """The per-token policy loss: ppo (clipped ratio, ppo.clip_ratio_low/high), gspo (one clipped
+    ratio per sequence) or cispo (clipped, detached importance weight times the log-prob); see
+    docs/algorithms.md."""
+    rollout_correction: Annotated[str, one_of(ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")] = "none"
+    """Importance weight pi_trainer / pi_sampler of each sampled token on its loss: none, tis
+    (truncated at correction_cap) or mis (tokens or sequences outside [1/cap, cap] masked)."""
+    correction_cap: float = Field(2.0, gt=1)
+    """The cap C of rollout_correction: tis truncates weights at C, mis masks those outside [1/C, C]."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """Whether the correction's weight is each token's ratio or its sequence's (product over tokens)."""
 
     @property
     def critic_free(self) -> bool:

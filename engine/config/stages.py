@@ -60,6 +60,10 @@ class PPOConfig(Section):
     """The critic's learning rate (AdamW, constant, no warmup)."""
     clip_ratio: float = Field(0.2, gt=0)
     """PPO's clip range of the policy ratio: 1 +- clip_ratio."""
+    clip_ratio_low: float | None = Field(None, gt=0, le=1)
+    """The ratio's lower bound is 1 - clip_ratio_low (DAPO's decoupled clip); None: clip_ratio."""
+    clip_ratio_high: float | None = Field(None, gt=0)
+    """The ratio's upper bound is 1 + clip_ratio_high (DAPO: 0.28 with clip_ratio_low 0.2); None: clip_ratio."""
     value_clip: float = Field(0.2, gt=0)
     """Clip range of the critic's new values around its rollout-time values in the value loss."""
     gamma: float = Field(1.0, ge=0, le=1)
@@ -72,12 +76,21 @@ class PPOConfig(Section):
     """First steps of a round's RL in which only the critic learns."""
     whiten_advantages: bool = True
     """Normalise the advantages to zero mean and unit variance over the batch (estimator ppo)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How the per-token losses are averaged, normalised over the whole mini-batch."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How the per-token losses are averaged, normalised over the whole mini-batch;
+    seq-mean-token-sum-norm divides each row's sum by sampling.max_new_tokens (Dr. GRPO)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradients (actor and critic) are clipped to this global norm."""
     log_every: int = Field(1, ge=1)
     """Log metrics every this many steps."""
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """(clip_low, clip_high): the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+        low, high = self.clip_ratio_low, self.clip_ratio_high
+        return (self.clip_ratio if low is None else low, self.clip_ratio if high is None else high)
 
     @model_validator(mode="after")
     def _whole_mini_batches(self) -> PPOConfig:

@@ -24,6 +24,9 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, R] float, 1 up to and including each row's EOS
     prompt_width: int  # P
     response_texts: tuple[str, ...]  # B decoded responses, special tokens removed
+    # [B, R] the sampler's log softmax(logits / T) of each response token (the behaviour policy's,
+    # before top-p), 0 on padding; None where the producer did not report them (hand-built batches).
+    sampled_logprobs: torch.Tensor | None = None
 
     @property
     def response_ids(self) -> torch.Tensor:  # [B, R]
@@ -36,6 +39,7 @@ class RolloutBatch:
             self.response_mask[index],
             self.prompt_width,
             tuple(self.response_texts[i] for i in index.tolist()),
+            None if self.sampled_logprobs is None else self.sampled_logprobs[index],
         )
 
 
@@ -57,6 +61,11 @@ def merge_rollouts(parts: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         response_mask=pad_responses([p.response_mask for p in parts]),
         prompt_width=width,
         response_texts=tuple(t for p in parts for t in p.response_texts),
+        sampled_logprobs=(
+            None
+            if any(p.sampled_logprobs is None for p in parts)
+            else pad_responses([p.sampled_logprobs for p in parts])
+        ),
     )
 
 
@@ -103,7 +112,8 @@ def generate_rollouts(
     ids, attention = left_pad(prompts, tokenizer.pad_token_id)
     stops = stop_token_ids(tokenizer)
     pad = tokenizer.pad_token_id
-    response = sample_tokens(policy, ids, attention, params, stops, pad, seed, **generate_kwargs).tokens
+    decoded = sample_tokens(policy, ids, attention, params, stops, pad, seed, **generate_kwargs)
+    response = decoded.tokens
     mask = response_mask_from_ids(response, stops)
     response = torch.where(mask.bool(), response, torch.full_like(response, tokenizer.pad_token_id))
     texts = tuple(tokenizer.batch_decode(response, skip_special_tokens=True))
@@ -113,6 +123,7 @@ def generate_rollouts(
         response_mask=mask,
         prompt_width=ids.shape[1],
         response_texts=texts,
+        sampled_logprobs=decoded.logprobs * mask,
     )
 
 

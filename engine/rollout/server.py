@@ -1,10 +1,10 @@
 """Rollout as a service, trainer side: start a worker process, sample from it, push weights to it.
 
     with RolloutClient.start("hf", model_dir, tokenizer=tokenizer) as client:
-        batch, worker_logprobs = client.rollout_batch(prompts, params, seed)   # like generate_rollouts
+        batch = client.rollout_batch(prompts, params, seed)   # like generate_rollouts
         ...optimizer step...
         stats = client.update_weights(policy.named_parameters(), bucket_mb=256)
-        probe_weight_sync(client, policy, batch, worker_logprobs, params.temperature, ...)
+        probe_weight_sync(client, policy, batch, params.temperature, ...)
 
 The worker (`rollout_worker` for "hf", `rollout_worker_vllm` for "vllm") runs under its own
 interpreter and talks over a Unix socket in a private directory (docs/rollout-protocol.md). A dead
@@ -331,16 +331,10 @@ class RolloutClient:
             [ids[s : s + n] for s, n in zip(starts, lengths)], [logprobs[s : s + n] for s, n in zip(starts, lengths)]
         )
 
-    def rollout_batch(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
-    ) -> tuple[RolloutBatch, torch.Tensor]:
-        """A RolloutBatch exactly as `generate_rollouts` builds it, and the worker's log-probs [B, R] (0 on padding)."""
+    def rollout_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> RolloutBatch:
+        """A RolloutBatch exactly as `generate_rollouts` builds it, the worker's log-probs as its sampled_logprobs."""
         generation = self.generate(prompts, params, seed)
-        batch = build_rollout_batch(self.tokenizer, prompts, generation.response_ids, params.max_new_tokens)
-        logprobs = torch.zeros(batch.response_mask.shape)
-        for i, row in enumerate(generation.logprobs):
-            logprobs[i, : len(row)] = torch.tensor(row)
-        return batch, logprobs * batch.response_mask
+        return build_rollout_batch(self.tokenizer, prompts, generation, params.max_new_tokens)
 
     def fingerprint(self) -> str:
         """The worker's weights_fingerprint (compare with the trainer's, rounded to `self.dtype`)."""
@@ -428,13 +422,15 @@ def _peer_pid(conn: socket.socket) -> int | None:
 
 
 def build_rollout_batch(
-    tokenizer: Any, prompts: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], max_new_tokens: int
+    tokenizer: Any, prompts: Sequence[Sequence[int]], generation: Generation, max_new_tokens: int
 ) -> RolloutBatch:
-    """The RolloutBatch `generate_rollouts` would build from these prompts and sampled responses.
+    """The RolloutBatch `generate_rollouts` would build from these prompts and the worker's samples.
 
     Same left padding, same right padding with pad_token_id after each row's EOS, same response
-    mask (1 up to and including the first EOS). Width R = the longest response.
+    mask (1 up to and including the first EOS). Width R = the longest response. The worker's
+    log-probs become sampled_logprobs (0 on padding).
     """
+    response_ids = generation.response_ids
     from rlflow.engine.data.batching import left_pad
 
     pad, stops = tokenizer.pad_token_id, stop_token_ids(tokenizer)
@@ -450,12 +446,16 @@ def build_rollout_batch(
         response[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
     mask = response_mask_from_ids(response, stops)
     response = torch.where(mask.bool(), response, torch.full_like(response, pad))
+    logprobs = torch.zeros(mask.shape)
+    for i, row in enumerate(generation.logprobs):
+        logprobs[i, : len(row)] = torch.tensor(row)
     return RolloutBatch(
         input_ids=torch.cat([ids, response], 1),
         attention_mask=torch.cat([attention, mask.long()], 1),
         response_mask=mask,
         prompt_width=ids.shape[1],
         response_texts=tuple(tokenizer.batch_decode(response, skip_special_tokens=True)),
+        sampled_logprobs=logprobs * mask,
     )
 
 
@@ -463,7 +463,6 @@ def probe_weight_sync(
     client: RolloutClient,
     policy: torch.nn.Module,
     batch: RolloutBatch,
-    worker_logprobs: torch.Tensor,
     temperature: float,
     *,
     probe_rows: int,
@@ -473,7 +472,7 @@ def probe_weight_sync(
     """The post-sync guard on a batch the worker just sampled (WeightSyncError when out of sync).
 
     Recomputes the first `probe_rows` rows' log-probs [probe_rows, R] with the trainer's policy and
-    compares them to the worker's; if `check_fingerprint`, also compares weight fingerprints.
+    compares them to the worker's (the batch's sampled_logprobs); if `check_fingerprint`, also compares weight fingerprints.
     """
     index = torch.arange(min(probe_rows, batch.input_ids.shape[0]))
     rows = batch.rows(index)
@@ -486,7 +485,7 @@ def probe_weight_sync(
         trainer_fp,
         worker_fp,
         trainer_logprobs,
-        worker_logprobs[index] * rows.response_mask,
+        rows.sampled_logprobs * rows.response_mask,
         rows.response_mask,
         max_logprob_diff,
         check_fingerprint,

@@ -67,7 +67,7 @@ class RolloutService:
     ) -> dict[int, RolloutBatch]:
         """chunks: (chunk index, prompts, seed) of the whole step, the same list on every rank.
         Returns this rank's chunks (index c with c % world == rank) as RolloutBatches."""
-        from rlflow.engine.rollout.server import build_rollout_batch
+        from rlflow.engine.rollout.server import Generation, build_rollout_batch
 
         sampled: list[list[list[int]]] = []
         logprobs: list[list[list[float]]] = []
@@ -82,11 +82,8 @@ class RolloutService:
         for (c, prompts, _), ids, lps in zip(chunks, sampled, logprobs):
             if c % dist.world_size() != dist.rank():
                 continue
-            batch = build_rollout_batch(self.tokenizer, prompts, ids, params.max_new_tokens)
-            worker = torch.zeros(batch.response_mask.shape)
-            for i, row in enumerate(lps):
-                worker[i, : len(row)] = torch.tensor(row)
-            mine[c], self.pending[c] = batch, worker * batch.response_mask
+            batch = build_rollout_batch(self.tokenizer, prompts, Generation(ids, lps), params.max_new_tokens)
+            mine[c], self.pending[c] = batch, batch.sampled_logprobs
         return mine
 
     def check(self, chunk: int, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:

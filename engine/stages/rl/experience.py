@@ -17,6 +17,7 @@ import torch
 from rlflow.engine.backend import dist
 from rlflow.engine.algorithms.advantages import compute_advantages
 from rlflow.engine.algorithms.kl import compute_token_rewards, token_kl
+from rlflow.engine.algorithms.rollout_correction import correction_metrics, importance_weights, raw_importance_weights
 from rlflow.engine.algorithms.stats import explained_variance, masked_mean, masked_whiten
 from rlflow.engine.backend.runtime import Runtime, TrainEngine
 from rlflow.engine.config.stages import PPOConfig
@@ -57,12 +58,34 @@ class Objective:
     kl_loss_coef: float = 0.0
     norm_std: bool = True  # GRPO: divide by the group's std
     sampling: SamplingParams = SamplingParams()
+    policy_loss: str = "ppo"  # a key of engine/algorithms/policy_losses.py POLICY_LOSSES
+    rollout_correction: str = "none"  # a key of engine/algorithms/rollout_correction.py CORRECTIONS
+    correction_cap: float = 2.0
+    correction_level: str = "token"  # or "sequence"
 
     @classmethod
     def of(cls, algorithm: AlgorithmConfig, kl: KLConfig, sampling: SamplingConfig, n: int) -> Objective:
         in_loss = kl.placed_in_loss(algorithm.name)
         kl_estimator = kl.estimator_for(in_loss)
-        return cls(algorithm.name, n, in_loss, kl_estimator, kl.loss_coef, algorithm.norm_std, sampling.params())
+        return cls(
+            algorithm.name,
+            n,
+            in_loss,
+            kl_estimator,
+            kl.loss_coef,
+            algorithm.norm_std,
+            sampling.params(),
+            algorithm.policy_loss,
+            algorithm.rollout_correction,
+            algorithm.correction_cap,
+            algorithm.correction_level,
+        )
+
+    def raw_importance_weights(self, old_logprobs: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+        """pi_old / pi_sampler [B, R] of the batch's tokens at this objective's correction level."""
+        if batch.sampled_logprobs is None:
+            raise ValueError("this rollout carries no sampler log-probs (RolloutBatch.sampled_logprobs)")
+        return raw_importance_weights(old_logprobs, batch.sampled_logprobs, batch.response_mask, self.correction_level)
 
 
 @dataclass(frozen=True)
@@ -99,6 +122,7 @@ class Experience:
     token_rewards: torch.Tensor  # [B, R] -kl_coef * KL per token (KL in the reward), + score at the last token
     advantages: torch.Tensor  # [B, R] by the objective's estimator (PPO: GAE, whitened if configured)
     returns: torch.Tensor  # [B, R] returns (PPO: the critic's targets)
+    is_weights: torch.Tensor | None = None  # [B, R] rollout-correction weight of each token's loss; None: none
 
 
 @torch.no_grad()
@@ -158,6 +182,7 @@ def _gather_rollout(local: RolloutBatch, n: int, generate_batch: int, pad: int) 
         response_mask=response_mask,
         prompt_width=input_ids.shape[1] - response_mask.shape[1],
         response_texts=tuple(dist.gather_chunked_list(local.response_texts, n, generate_batch)),
+        sampled_logprobs=None if local.sampled_logprobs is None else gather(local.sampled_logprobs),
     )
 
 
@@ -257,8 +282,20 @@ def assemble_experience(
     )
     if o.estimator == "ppo" and cfg.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
         advantages = masked_whiten(advantages, mask)
+    is_weights = None
+    if o.rollout_correction != "none":
+        raw = o.raw_importance_weights(old_logprobs, rollout.batch)
+        is_weights = importance_weights(raw, o.rollout_correction, o.correction_cap) * mask
     return Experience(
-        rollout.batch, old_logprobs, rollout.ref_logprobs, values, rollout.scores, rewards, advantages, returns
+        rollout.batch,
+        old_logprobs,
+        rollout.ref_logprobs,
+        values,
+        rollout.scores,
+        rewards,
+        advantages,
+        returns,
+        is_weights,
     )
 
 
@@ -278,8 +315,12 @@ def make_experience(
     return assemble_experience(rollout, rollout.old_logprobs, rollout.values, kl_coef, cfg, objective)
 
 
-def experience_metrics(exp: Experience, kl_coef: float, has_critic: bool = True) -> dict[str, float]:
-    """The rollout's metrics; `kl_coef`: the KL's weight in the reward (or in the loss)."""
+def experience_metrics(
+    exp: Experience, kl_coef: float, has_critic: bool = True, objective: Objective = Objective()
+) -> dict[str, float]:
+    """The rollout's metrics; `kl_coef`: the KL's weight in the reward (or in the loss). Where the
+    sampler reported its log-probs, also the gap between it and the trainer (rollout/mismatch_kl,
+    is_weight_*, masked_fraction, capped_fraction: engine/algorithms/rollout_correction.py)."""
     mask = exp.batch.response_mask
     metrics = {
         "actor/kl": float(masked_mean(token_kl(exp.old_logprobs, exp.ref_logprobs, "k3"), mask)),
@@ -294,6 +335,11 @@ def experience_metrics(exp: Experience, kl_coef: float, has_critic: bool = True)
         # Which tokens were drawn, exactly: equal checksums across runs mean identical samples.
         "rollout/response_ids_crc32": float(zlib.crc32((exp.batch.response_ids * mask.long()).numpy().tobytes())),
     }
+    if exp.batch.sampled_logprobs is not None:
+        raw = objective.raw_importance_weights(exp.old_logprobs, exp.batch)
+        weights = raw if exp.is_weights is None else exp.is_weights  # none: nothing capped or masked
+        gap = correction_metrics(exp.old_logprobs, exp.batch.sampled_logprobs, mask, raw, weights)
+        metrics |= {key: float(value) for key, value in gap.items()}
     if has_critic:
         metrics["critic/values/mean"] = float(masked_mean(exp.values, mask))
         metrics["critic/vf_explained_var"] = float(explained_variance(exp.values, exp.returns, mask))

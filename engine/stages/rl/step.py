@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from rlflow.engine.backend import dist
 from rlflow.engine.algorithms.kl import token_kl
-from rlflow.engine.algorithms.losses import loss_sum_and_units, ppo_policy_loss, value_loss
+from rlflow.engine.algorithms.losses import loss_sum_and_units, loss_units, value_loss
+from rlflow.engine.algorithms.policy_losses import policy_loss
 from rlflow.engine.algorithms.kl import make_kl_controller
 from rlflow.engine.algorithms.stats import masked_sum
 from rlflow.engine.backend.runtime import LossParts, TrainEngine
@@ -55,14 +56,17 @@ def actor_loss_parts(
     cfg: PPOConfig,
     objective: Objective = Objective(),
 ) -> LossParts:
-    """Clipped policy loss of the rows `index` [M] (plus kl_loss_coef x the KL to the reference
-    per token when the objective puts the KL in the loss) as a share of `cfg.loss_agg` over the
-    mini-batch; logprobs, entropy: [M, R] from actor_forward on those rows."""
+    """The objective's policy loss of the rows `index` [M] (times the rollout-correction weights,
+    if any; plus kl_loss_coef x the KL to the reference per token when the objective puts the KL
+    in the loss) as a share of `cfg.loss_agg` over the mini-batch; logprobs, entropy: [M, R] from
+    actor_forward on those rows."""
     device = logprobs.device  # experience stays on the CPU; each micro-batch's slice comes over
     mask = exp.batch.response_mask[index].to(device)
-    per_token, clipped, approx_kl = ppo_policy_loss(
-        logprobs, exp.old_logprobs[index].to(device), exp.advantages[index].to(device), cfg.clip_ratio
-    )
+    old, advantages = exp.old_logprobs[index].to(device), exp.advantages[index].to(device)
+    loss_fn = policy_loss(objective.policy_loss)
+    per_token, clipped, approx_kl = loss_fn(logprobs, old, advantages, mask, *cfg.clip_bounds)
+    if exp.is_weights is not None:
+        per_token = per_token * exp.is_weights[index].to(device)
     tokens = float(mask.sum())
     stats = {
         "actor/pg_clipfrac": (float(masked_sum(clipped, mask)), tokens),
@@ -73,7 +77,7 @@ def actor_loss_parts(
         kl = token_kl(logprobs, exp.ref_logprobs[index].to(device), objective.kl_estimator)
         per_token = per_token + objective.kl_loss_coef * kl
         stats["actor/kl_loss"] = (float(masked_sum(kl.detach(), mask)), tokens)
-    loss_sum, units = loss_sum_and_units(per_token, mask, cfg.loss_agg)
+    loss_sum, units = loss_sum_and_units(per_token, mask, cfg.loss_agg, norm_length(cfg, objective))
     return LossParts(loss_sum, units, stats)
 
 
@@ -89,23 +93,27 @@ def critic_forward(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
     return token_values(model, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1 : -1]
 
 
-def critic_loss_parts(values: torch.Tensor, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> LossParts:
+def critic_loss_parts(
+    values: torch.Tensor, exp: Experience, index: torch.Tensor, cfg: PPOConfig, objective: Objective = Objective()
+) -> LossParts:
     """Clipped value loss of the rows `index` [M]; values [M, R] from critic_forward on those rows."""
     mask = exp.batch.response_mask[index].to(values.device)
     vf, vf_clipped = value_loss(
         values, exp.values[index].to(mask.device), exp.returns[index].to(mask.device), cfg.value_clip
     )
-    loss_sum, units = loss_sum_and_units(vf, mask, cfg.loss_agg)
+    loss_sum, units = loss_sum_and_units(vf, mask, cfg.loss_agg, norm_length(cfg, objective))
     return LossParts(loss_sum, units, {"critic/vf_clipfrac": (float(masked_sum(vf_clipped, mask)), float(mask.sum()))})
 
 
-def critic_loss(model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig) -> LossParts:
-    return critic_loss_parts(critic_forward(model, exp.batch.rows(index)), exp, index, cfg)
+def critic_loss(
+    model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig, objective: Objective = Objective()
+) -> LossParts:
+    return critic_loss_parts(critic_forward(model, exp.batch.rows(index)), exp, index, cfg, objective)
 
 
-def loss_units(mask: torch.Tensor, mode: str) -> float:
-    """Units a micro-batch's loss is normalised over (must match loss_sum_and_units)."""
-    return float(mask.bool().sum()) if mode == "token-mean" else float(mask.shape[0])
+def norm_length(cfg: PPOConfig, objective: Objective) -> int | None:
+    """seq-mean-token-sum-norm's constant: the generation budget, sampling.max_new_tokens (Dr. GRPO)."""
+    return objective.sampling.max_new_tokens if cfg.loss_agg == "seq-mean-token-sum-norm" else None
 
 
 class UpdateMetrics:
@@ -155,7 +163,7 @@ def ppo_update(
         parts.append(("actor", models.actor, lambda model, e, m, c: actor_loss(model, e, m, c, objective)))
     if models.critic is not None:
         models.critic.train()
-        parts.append(("critic", models.critic, critic_loss))
+        parts.append(("critic", models.critic, lambda model, e, m, c: critic_loss(model, e, m, c, objective)))
     # Rows keep the batch's padded width in every micro-batch: that is what the budget must count.
     lengths = [exp.batch.input_ids.shape[1]] * exp.batch.input_ids.shape[0]
     for _ in range(cfg.epochs):
@@ -212,7 +220,8 @@ def single_pass_update(
     actor_parts = lambda _, m: actor_loss_parts(logprobs, entropy, exp, m, cfg, objective)  # noqa: E731
     record.run("actor", models.actor, [rows], units, actor_parts, step)
     if critic is not None:
-        record.run("critic", critic, [rows], units, lambda _, m: critic_loss_parts(values, exp, m, cfg), step)
+        critic_parts = lambda _, m: critic_loss_parts(values, exp, m, cfg, objective)  # noqa: E731
+        record.run("critic", critic, [rows], units, critic_parts, step)
     return exp, record.result()
 
 
@@ -254,7 +263,7 @@ def ppo_step(
             update_seed = step_seed(seed, round_index, step, 5)
             update_metrics = ppo_update(models, exp, cfg, update_actor, update_seed, step, objective)
         kl_coef = objective.kl_loss_coef if objective.kl_in_loss else coef
-        metrics = experience_metrics(exp, kl_coef, models.critic is not None) | update_metrics
+        metrics = experience_metrics(exp, kl_coef, models.critic is not None, objective) | update_metrics
         if models.reward is not None:
             metrics |= models.reward.metrics
         if models.rollout is not None:  # the worker samples the next step with the updated actor

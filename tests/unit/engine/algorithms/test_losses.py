@@ -1,5 +1,5 @@
-"""Tests for rlflow.engine.algorithms.losses: PPO's clipped policy and value losses and the loss
-aggregation modes, against hand arithmetic."""
+"""Tests for rlflow.engine.algorithms.losses: the clipped value loss and the loss aggregation
+modes, against hand arithmetic (the policy losses: test_policy_losses.py)."""
 
 import pytest
 import torch
@@ -16,28 +16,6 @@ def close(actual, expected, atol=1e-5, rtol=0.0):
 # Shared small example: rows of length 2 and 1 inside T=3.
 X = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-
-
-def test_ppo_policy_loss_by_hand_all_branches():
-    ratio = T([[1.5, 0.5, 1.5, 0.5, 1.0]])
-    adv = T([[1.0, 1.0, -1.0, -1.0, 2.0]])
-    old = T([[-1.0, -2.0, -0.5, -3.0, -1.0]])
-    logp = (old + ratio.log()).requires_grad_(True)
-    loss, clipped, approx_kl = losses.ppo_policy_loss(logp, old, adv, clip_ratio=0.2)
-    # A=+1 r=1.5: max(-1.5, -1.2) = -1.2 clipped | A=+1 r=0.5: max(-0.5, -0.8) = -0.5
-    # A=-1 r=1.5: max(1.5, 1.2) = 1.5            | A=-1 r=0.5: max(0.5, 0.8) = 0.8 clipped
-    # A=2 r=1: both -2, equal -> not counted as clipped
-    close(loss, [[-1.2, -0.5, 1.5, 0.8, -2.0]])
-    close(clipped, [[1.0, 0.0, 0.0, 1.0, 0.0]])
-    close(approx_kl, -ratio.log())  # old - new = -log r
-    loss.sum().backward()
-    # d(-A r)/dlogp = -A r on unclipped tokens, 0 where the clipped constant was taken
-    close(logp.grad, [[0.0, -0.5, 1.5, 0.0, -2.0]])
-
-
-def test_ppo_policy_loss_finite_for_extreme_ratio():
-    loss, _, _ = losses.ppo_policy_loss(T([[0.0]]), T([[-1e4]]), T([[0.0]]), 0.2)
-    assert torch.isfinite(loss).all()  # without the clamp: 0 * exp(1e4) = 0 * inf = nan
 
 
 def test_value_loss_by_hand():
@@ -58,6 +36,8 @@ def test_aggregate_loss_modes_by_hand():
     close(losses.aggregate_loss(X, MASK, "token-mean", num_tokens=10), 0.7)
     close(losses.aggregate_loss(X, MASK, "seq-mean-token-sum"), (3.0 + 4.0) / 2.0)
     close(losses.aggregate_loss(X, MASK, "seq-mean-token-mean"), (1.5 + 4.0) / 2.0)
+    # Dr. GRPO: row sums over a constant length 5, then the mean over rows
+    close(losses.aggregate_loss(X, MASK, "seq-mean-token-sum-norm", norm_length=5), (3.0 / 5 + 4.0 / 5) / 2.0)
 
 
 def test_token_mean_with_global_count_matches_full_batch():
@@ -79,24 +59,37 @@ def test_token_mean_with_global_count_matches_full_batch():
 def test_aggregate_loss_rejects_unknown_mode_and_misplaced_num_tokens():
     with pytest.raises(ValueError) as info:
         losses.aggregate_loss(X, MASK, "sum")
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         assert repr(mode) in str(info.value)
     with pytest.raises(ValueError):
         losses.aggregate_loss(X, MASK, "seq-mean-token-mean", num_tokens=3)
     with pytest.raises(ValueError):
         losses.aggregate_loss(X, MASK, "token-mean", num_tokens=0)
+    with pytest.raises(ValueError, match="norm_length"):
+        losses.aggregate_loss(X, MASK, "seq-mean-token-sum-norm")  # the constant is required
+    with pytest.raises(ValueError, match="norm_length"):
+        losses.aggregate_loss(X, MASK, "seq-mean-token-sum", norm_length=5)  # and only there
+    with pytest.raises(ValueError, match="positive"):
+        losses.loss_sum_and_units(X, MASK, "seq-mean-token-sum-norm", norm_length=0)
 
 
 def test_loss_sum_and_units_by_hand_and_micro_batch_shares_add_up_to_the_whole_batch():
     # token-mean: 1 + 2 + 4 over 3 tokens; seq modes: per-row sums [3, 4] or means [1.5, 4] over 2 rows
-    expected = {"token-mean": (7.0, 3.0), "seq-mean-token-sum": (7.0, 2.0), "seq-mean-token-mean": (5.5, 2.0)}
+    # seq-mean-token-sum-norm: row sums [3, 4] / 5 over 2 rows
+    expected = {
+        "token-mean": (7.0, 3.0),
+        "seq-mean-token-sum": (7.0, 2.0),
+        "seq-mean-token-mean": (5.5, 2.0),
+        "seq-mean-token-sum-norm": (7.0 / 5, 2.0),
+    }
     for mode, (total, units) in expected.items():
-        got_sum, got_units = losses.loss_sum_and_units(X, MASK, mode)
+        length = 5 if mode == "seq-mean-token-sum-norm" else None
+        got_sum, got_units = losses.loss_sum_and_units(X, MASK, mode, length)
         close(got_sum, total)
-        assert got_units == units
+        assert got_units == units == losses.loss_units(MASK, mode)
         # one micro-batch per row, as two ranks would hold them: summed shares give the batch's loss
-        shares = [losses.loss_sum_and_units(X[i : i + 1], MASK[i : i + 1], mode) for i in (0, 1)]
+        shares = [losses.loss_sum_and_units(X[i : i + 1], MASK[i : i + 1], mode, length) for i in (0, 1)]
         whole = sum(s for s, _ in shares) / sum(u for _, u in shares)
-        close(whole, losses.aggregate_loss(X, MASK, mode))
+        close(whole, losses.aggregate_loss(X, MASK, mode, norm_length=length))
     with pytest.raises(ValueError, match="'token-mean'"):
         losses.loss_sum_and_units(X, MASK, "sum")

@@ -77,12 +77,11 @@ def perturb(policy, seed, scale=0.01):
 
 
 def probe(client, policy, prompts, check_fingerprint=True):
-    batch, worker_logprobs = client.rollout_batch(prompts, PARAMS, SEED)
+    batch = client.rollout_batch(prompts, PARAMS, SEED)
     return probe_weight_sync(
         client,
         policy,
         batch,
-        worker_logprobs,
         PARAMS.temperature,
         probe_rows=4,
         max_logprob_diff=1e-3,
@@ -95,7 +94,7 @@ def probe(client, policy, prompts, check_fingerprint=True):
 
 def test_server_generation_equals_colocated(client, policy, tiny):
     _, tokenizer, prompts = tiny
-    batch, worker_logprobs = client.rollout_batch(prompts, PARAMS, SEED)
+    batch = client.rollout_batch(prompts, PARAMS, SEED)
     colocated = generate_rollouts(policy, tokenizer, prompts, PARAMS, SEED)
     assert torch.equal(batch.input_ids, colocated.input_ids)
     assert torch.equal(batch.attention_mask, colocated.attention_mask)
@@ -104,7 +103,8 @@ def test_server_generation_equals_colocated(client, policy, tiny):
     assert batch.response_mask.sum(1).min() < PARAMS.max_new_tokens  # some rows ended at EOS
     with torch.no_grad():
         trainer, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
-    assert torch.allclose(trainer * batch.response_mask, worker_logprobs, atol=1e-5, rtol=0)
+    assert torch.allclose(trainer * batch.response_mask, batch.sampled_logprobs, atol=1e-5, rtol=0)
+    assert torch.allclose(colocated.sampled_logprobs, batch.sampled_logprobs, atol=1e-6, rtol=0)
     assert client.fingerprint() == weights_fingerprint(policy.named_parameters())
 
 
@@ -117,7 +117,7 @@ def test_full_sync_after_a_training_like_change(client, policy, tiny):
     check = probe(client, policy, prompts)
     assert check.fingerprint_match and check.logprob_diff_max < 1e-5
     colocated = generate_rollouts(policy, tiny[1], prompts, PARAMS, SEED)  # still token-identical
-    assert torch.equal(client.rollout_batch(prompts, PARAMS, SEED)[0].input_ids, colocated.input_ids)
+    assert torch.equal(client.rollout_batch(prompts, PARAMS, SEED).input_ids, colocated.input_ids)
 
 
 @pytest.mark.parametrize("check_fingerprint", [True, False])
@@ -251,8 +251,8 @@ def test_vllm_worker_generates_and_syncs(tiny, policy):
     with RolloutClient.start("vllm", model_dir, python=python, tokenizer=tokenizer, dtype="bfloat16") as client:
         perturb(policy, seed=5)
         client.update_weights(policy.named_parameters(), bucket_mb=SMALL_BUCKET_MB)
-        batch, worker_logprobs = client.rollout_batch(prompts, PARAMS, SEED)
+        batch = client.rollout_batch(prompts, PARAMS, SEED)
         check = probe_weight_sync(
-            client, policy, batch, worker_logprobs, 1.0, probe_rows=4, max_logprob_diff=0.05, check_fingerprint=True
+            client, policy, batch, 1.0, probe_rows=4, max_logprob_diff=0.05, check_fingerprint=True
         )
         assert check.fingerprint_match

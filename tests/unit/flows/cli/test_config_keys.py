@@ -66,7 +66,8 @@ def test_walker_reads_types_defaults_and_constraints(rows):
     grad = rows["ppo.max_grad_norm"]
     assert (grad.type, grad.default, grad.constraints) == ("float", "1.0", "> 0")
     assert rows["kl.stop_above"].type == "float | None" and rows["kl.stop_above"].default == "0.3"
-    assert rows["ppo.loss_agg"].type == "'token-mean' | 'seq-mean-token-sum' | 'seq-mean-token-mean'"
+    modes = "'token-mean' | 'seq-mean-token-sum' | 'seq-mean-token-mean' | 'seq-mean-token-sum-norm'"
+    assert rows["ppo.loss_agg"].type == modes
     assert rows["engine.zero_stage"].type == "1 | 2 | 3" and rows["engine.zero_stage"].default == "2"
     assert rows["run.rounds"].constraints == ">= 1, <= 1000"
     assert rows["data.max_prompt_tokens"].constraints == ">= 1"

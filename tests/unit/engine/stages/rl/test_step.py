@@ -25,10 +25,10 @@ def no_gold(prompt, response, **fields):
     return 0.0
 
 
-def _config(small_assets, tmp_path, name, n=2, **ppo):
+def _config(small_assets, tmp_path, name, n=2, algorithm=None, **ppo):
     ppo = {"rollout_batch": 8, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3} | ppo
     tree = small_config_tree(small_assets, tmp_path, ppo=ppo, kl={"loss_coef": 0.1}, sampling={"max_new_tokens": 12})
-    tree |= {"algorithm": {"name": name}, "rollout": {"n": n, "generate_batch": 16}}
+    tree |= {"algorithm": {"name": name} | (algorithm or {}), "rollout": {"n": n, "generate_batch": 16}}
     return build_config(tree, "t")
 
 
@@ -48,7 +48,9 @@ def _step(trained, cfg, runtime, prompts=None):
     return models, metrics, prompts
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_grpo_step_does_not_depend_on_the_micro_batch_size(trained, small_assets, tmp_path, loss_agg):
     cfg = _config(small_assets, tmp_path, "grpo", loss_agg=loss_agg)
     whole, m1, prompts = _step(trained, cfg, Runtime())
@@ -56,6 +58,46 @@ def test_grpo_step_does_not_depend_on_the_micro_batch_size(trained, small_assets
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert m2[key] == pytest.approx(m1[key], abs=1e-6, rel=1e-5), key
     assert_weights_agree(whole.actor.model.state_dict(), cut.actor.model.state_dict(), 1e-5)
+
+
+def _weights(models):
+    return {k: v.clone() for k, v in models.actor.model.state_dict().items()}
+
+
+def test_policy_losses_equal_ppo_at_ratio_one_and_differ_off_it(trained, small_assets, tmp_path):
+    """One epoch over one mini-batch trains at ratio 1, where PPO, GSPO and CISPO have one gradient
+    (the same update, to float rounding); with two mini-batches the second trains off ratio 1, and
+    the variants part (the configured loss is the one that runs)."""
+    on, off = {}, {}
+    for loss in ("ppo", "gspo", "cispo"):
+        single = _config(small_assets, tmp_path, "grpo", algorithm={"policy_loss": loss}, mini_batch=8)
+        on[loss] = _weights(_step(trained, single, Runtime())[0])
+        # gspo clipped at its own scale, the others at DAPO's decoupled bounds
+        clip = {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4} if loss == "gspo" else {"clip_ratio_high": 0.28}
+        two = _config(small_assets, tmp_path, "grpo", algorithm={"policy_loss": loss}, epochs=2, **clip)
+        models, metrics, _ = _step(trained, two, Runtime())
+        off[loss] = _weights(models)
+        assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"]), loss
+    for loss in ("gspo", "cispo"):
+        assert_weights_agree(on["ppo"], on[loss], 1e-5)
+        gap = max(float((off["ppo"][k] - off[loss][k]).abs().max()) for k in off["ppo"])
+        assert gap > 1e-6, loss
+
+
+def test_truncated_rollout_correction_of_an_exact_sampler_is_one(trained, small_assets, tmp_path):
+    """The colocated sampler is the trainer's own policy: its log-probs match the trainer's to
+    float rounding, so TIS weighs every token ~1 and the step is the uncorrected one."""
+    plain = _config(small_assets, tmp_path, "grpo")
+    corrected = _config(small_assets, tmp_path, "grpo", algorithm={"rollout_correction": "tis"})
+    base, m0, prompts = _step(trained, plain, Runtime())
+    models, m1, _ = _step(trained, corrected, Runtime(), prompts)
+    for metrics in (m0, m1):  # logged with or without a correction
+        assert abs(metrics["rollout/is_weight_mean"] - 1.0) < 1e-6
+        assert abs(metrics["rollout/is_weight_max"] - 1.0) < 1e-5
+        assert 0.0 <= metrics["rollout/mismatch_kl"] < 1e-10
+        assert metrics["rollout/masked_fraction"] == metrics["rollout/capped_fraction"] == 0.0
+    assert m1["rollout/response_ids_crc32"] == m0["rollout/response_ids_crc32"]
+    assert_weights_agree(_weights(base), _weights(models), 1e-5)
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
