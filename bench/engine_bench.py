@@ -60,7 +60,7 @@ def ppo_seconds(engine_cfg: EngineConfig, server: bool, steps: int) -> list[floa
     try:
         for step in range(1, steps + 1):
             started = time.monotonic()
-            ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, 32, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
+            ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, 32, Objective.of(cfg))
             times.append(time.monotonic() - started)
     finally:
         if models.rollout is not None:

@@ -81,7 +81,7 @@ def rl_step(model_dir: str, algorithm: str, engine_keys: dict) -> dict:
         paths = write_gym_dataset("chain_sum", tmp, prompts_n, 1, 0, CHAIN, "last_number")["paths"]
         records = load_prompts(paths["prompts"])
     prompts, _, _ = encode_prompt_set(models.tokenizer, records, 96, "truncate", "bench")
-    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    objective = Objective.of(cfg)
     try:
         return ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, prompts_n * n, objective)
     finally:

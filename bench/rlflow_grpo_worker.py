@@ -70,7 +70,7 @@ def setup_rlflow(work: dict) -> tuple[Callable[[int], dict[str, float]], list[li
     )
     source = build_reward_source(cfg.reward, models.scoring, None, None, runtime, cfg.model)
     models = dataclasses.replace(models, reward=source)
-    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    objective = Objective.of(cfg)
     records = load_prompts(work["prompts"])[: work["prompts_per_iter"]]
     prompts, _, _ = encode_prompt_set(models.tokenizer, records, work["max_prompt_tokens"], "truncate", "bench")
     controller = make_controller(cfg.kl)  # unused with the KL in the loss; ppo_step takes one

@@ -62,7 +62,7 @@ def setup_rlflow(work: dict) -> tuple[Callable[[int], dict[str, float]], list[li
     prompts, _, _ = encode_prompt_set(models.tokenizer, records, work["max_prompt_tokens"], "truncate", "bench")
     controller = make_controller(cfg.kl)
 
-    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    objective = Objective.of(cfg)
 
     def step(index: int) -> dict[str, float]:
         return ppo_step(models, controller, cfg.ppo, prompts, work["seed"], 0, index, batch, objective)

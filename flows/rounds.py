@@ -175,6 +175,7 @@ def rl_stage(
             "algorithm": c.algorithm,
             "rollout_n": c.rollout.n,
             "reward_sources": [s.model_dump(mode="json") for s in c.reward.sources],
+            "reward_overlong": [c.reward.overlong_buffer, c.reward.overlong_penalty],
             "eval": c.eval,
             "gold": c.gold,
             "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode],

@@ -101,7 +101,7 @@ def main() -> None:
     controller, steps = make_controller(cfg.kl), []
     torch.cuda.reset_peak_memory_stats()
     for step in range(1, args.steps + 1):
-        metrics = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, args.rollout_batch, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
+        metrics = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, args.rollout_batch, Objective.of(cfg))
         steps.append(metrics)
     peak_gb = torch.cuda.max_memory_allocated() / 2**30
     measured = steps[1:] or steps  # the first step pays warm-up costs

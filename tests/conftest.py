@@ -332,7 +332,7 @@ def rl_inputs(cfg, paths, gold, **fields):
 
     sections = {"model": cfg.model, "ppo": cfg.ppo, "kl": cfg.kl, "sampling": cfg.sampling, "eval": cfg.eval}
     sections |= {"data": cfg.data, "checkpoint": cfg.checkpoint}
-    sections["objective"] = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    sections["objective"] = Objective.of(cfg)
     return RLStageInputs(paths=paths, gold=gold, **(sections | fields))
 
 

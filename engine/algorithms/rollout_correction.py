@@ -91,7 +91,8 @@ def correction_metrics(
     zeroed = tokens & (weights == 0) & (raw > 0)
     capped = tokens & (weights > 0) & (weights < raw)
     return {
-        "rollout/mismatch_kl": masked_mean(token_kl(behaviour_logprobs, old_logprobs, "k3"), mask),
+        # k3 >= 0; exp(x) - x - 1 rounds to ~-1e-9 at x ~ 0, which is no KL
+        "rollout/mismatch_kl": masked_mean(token_kl(behaviour_logprobs, old_logprobs, "k3").clamp(min=0.0), mask),
         "rollout/is_weight_mean": masked_mean(raw, mask),
         "rollout/is_weight_max": raw.masked_fill(~tokens, float("-inf")).max().clamp(min=0.0),
         "rollout/masked_fraction": zeroed.sum() / count,

@@ -38,6 +38,12 @@ class AlgorithmConfig(Section):
     """The cap C of rollout_correction: tis truncates weights at C, mis masks those outside [1/C, C]."""
     correction_level: Literal["token", "sequence"] = "token"
     """Whether the correction's weight is each token's ratio or its sequence's (product over tokens)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (no advantage) and sample more prompts until the
+    batch has ppo.rollout_batch informative groups or dynamic_sampling_max_tries samplings were made."""
+    dynamic_sampling_max_tries: int = Field(3, ge=1)
+    """Most samplings of ppo.rollout_batch prompts per step with dynamic_sampling; a batch still short
+    after them is filled with the dropped groups (rollout/underfilled_groups counts them)."""
 
     @property
     def critic_free(self) -> bool:
@@ -139,6 +145,11 @@ class RewardConfig(Section):
     on_error: Literal["fail", "skip"] = "fail"
     """A function that raises, returns a non-finite value or times out: stop with an error naming
     it and the sample (fail), or score that sample 0 for this source and count it (skip)."""
+    overlong_buffer: int | None = Field(None, ge=1)
+    """DAPO's soft overlong penalty: an answer longer than sampling.max_new_tokens - overlong_buffer
+    tokens loses overlong_penalty x its excess / overlong_buffer (the whole penalty at the limit); None: off."""
+    overlong_penalty: float = Field(1.0, gt=0)
+    """The overlong penalty of an answer that reaches sampling.max_new_tokens, in reward units."""
     workers: int = Field(2, ge=1, le=256)
     """Processes that run the function and rule sources."""
     on_failure: Literal["pause", "fallback_rule", "fail"] = "pause"

@@ -181,6 +181,22 @@ class Config(Section):
                 f"algorithm.name={algorithm} compares the samples of one prompt with each other: it needs"
                 f" rollout.n >= 2 samples per prompt (got {n}); e.g. rollout.n=4"
             )
+        if self.algorithm.dynamic_sampling and n < 2:
+            raise ValueError(
+                f"algorithm.dynamic_sampling drops groups whose samples all scored the same: it needs"
+                f" rollout.n >= 2 samples per prompt (got {n}); e.g. rollout.n=4"
+            )
+        if self.algorithm.dynamic_sampling and self.rollout.mode == "server":
+            raise ValueError(
+                "algorithm.dynamic_sampling with rollout.mode=server is not supported yet (the worker's weight-sync"
+                " probe covers one sampling per step); use rollout.mode=colocated or algorithm.dynamic_sampling=false"
+            )
+        budget = self.sampling.max_new_tokens
+        if self.reward.overlong_buffer is not None and self.reward.overlong_buffer > budget:
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than sampling.max_new_tokens={budget}:"
+                f" the penalty ramps over the last overlong_buffer tokens of the budget; set it to at most {budget}"
+            )
         if algorithm in ("ppo",) and self.ppo.critic_init == "rm" and not self.reward.learned:
             raise ValueError(
                 "ppo.critic_init=rm starts the critic from the round's reward model, but reward.sources has no"

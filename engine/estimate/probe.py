@@ -139,7 +139,7 @@ def run_probe(
         torch.cuda.reset_peak_memory_stats(runtime.device)
     started = time.monotonic()
     models = load_ppo_models(inputs, config.model, cfg, _no_gold, runtime, config.data.chat_template)
-    objective = Objective.of(config.algorithm, config.kl, config.sampling, config.rollout.n)
+    objective = Objective.of(config)
     pool = start_reward_pool(config.reward)
     try:
         source = build_reward_source(config.reward, models.scoring, None, pool, runtime, config.model)

@@ -105,7 +105,8 @@ def _cleanup(proc: subprocess.Popen, paths: list[str]) -> None:
 class RolloutClient:
     """Trainer-side handle of one rollout worker process. Use `start`; close (or `with`) when done.
 
-    Not thread-safe: one request at a time (the PPO loop is sequential anyway).
+    Not thread-safe. Generations may be pipelined (`submit` several, `collect` them in order, while
+    the trainer works); every other request waits until none is outstanding.
     """
 
     def __init__(self, proc: subprocess.Popen, backend: str, log_path: str, tokenizer: Any, socket_path: str):
@@ -116,6 +117,7 @@ class RolloutClient:
         self._staging: _Staging | None = None
         self._inline = torch.empty(0, dtype=torch.uint8)
         self._failed: str | None = None
+        self._outstanding = 0  # generate requests sent, replies not yet read
         self._own_log = False  # a temp log we created: deleted by a clean close
         self._finalizer = weakref.finalize(self, _cleanup, proc, [socket_path])
 
@@ -305,11 +307,28 @@ class RolloutClient:
         return reply, payload
 
     def _request(self, header: dict[str, Any], payload: Any = None) -> tuple[dict[str, Any], memoryview]:
+        self._require_idle(header["op"])
         self._send(header, payload)
         return self._reply(header["op"])
 
+    def _require_idle(self, op: str) -> None:
+        # The worker answers in order: a reply read now would be a generation's, not this request's.
+        if self._outstanding:
+            raise RolloutWorkerError(f"{op!r} sent with {self._outstanding} generation(s) outstanding; collect() them first")
+
+    @property
+    def outstanding(self) -> int:
+        """Generate requests submitted and not yet collected."""
+        return self._outstanding
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> Generation:
         """Sample one response per prompt (token ids, unpadded). Same seed + weights: same tokens."""
+        self.submit(prompts, params, seed)
+        return self.collect()
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> None:
+        """Send a generate request and return at once; the worker samples with the weights it holds
+        when it reaches the request (requests are handled in order), `collect` reads the samples."""
         request = GenerateRequest(
             [[int(t) for t in p] for p in prompts],
             params.temperature,
@@ -319,7 +338,15 @@ class RolloutClient:
             list(stop_token_ids(self.tokenizer)),
             int(self.tokenizer.pad_token_id),
         )
-        reply, payload = self._request(request.to_json())
+        self._send(request.to_json())
+        self._outstanding += 1
+
+    def collect(self) -> Generation:
+        """The samples of the oldest submitted generate request (blocks until the worker has them)."""
+        if not self._outstanding:
+            raise RolloutWorkerError("collect() with no generate request outstanding; submit() one first")
+        self._outstanding -= 1
+        reply, payload = self._reply("generate")
         lengths = [int(n) for n in reply["lengths"]]
         total = sum(lengths)
         ids = torch.frombuffer(payload, dtype=torch.int64, count=total).tolist() if total else []

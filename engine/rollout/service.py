@@ -10,7 +10,7 @@ on the next batch, the log-probs the worker reported for its samples against the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -30,7 +30,6 @@ class RolloutService:
     tokenizer: Any = None
     trainer_fingerprint: str | None = None  # at the last sync (rank 0)
     worker_fingerprint: str | None = None
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk -> worker log-probs [b, R]
 
     @classmethod
     def start(
@@ -82,21 +81,20 @@ class RolloutService:
         for (c, prompts, _), ids, lps in zip(chunks, sampled, logprobs):
             if c % dist.world_size() != dist.rank():
                 continue
-            batch = build_rollout_batch(self.tokenizer, prompts, Generation(ids, lps), params.max_new_tokens)
-            mine[c], self.pending[c] = batch, batch.sampled_logprobs
+            mine[c] = build_rollout_batch(self.tokenizer, prompts, Generation(ids, lps), params.max_new_tokens)
         return mine
 
-    def check(self, chunk: int, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    def check(self, batch: RolloutBatch, trainer_logprobs: torch.Tensor) -> tuple[float, float, float]:
         """Guard one chunk: the trainer's log-probs [b, R] of the worker's samples (PPO's old
-        log-probs) against the worker's own; fingerprints too (rank 0, once after each sync).
-        Raises WeightSyncError; returns (sum of |diff| in nats, tokens, max |diff|)."""
+        log-probs) against the worker's own (batch.sampled_logprobs); fingerprints too (rank 0,
+        once after each sync). Raises WeightSyncError; returns (sum of |diff| in nats, tokens, max |diff|)."""
         compare_fingerprints = self.cfg.check_fingerprint and self.trainer_fingerprint is not None
         result = check_weight_sync(
             self.trainer_fingerprint,
             self.worker_fingerprint,
             trainer_logprobs,
-            self.pending.pop(chunk),
-            mask,
+            batch.sampled_logprobs,
+            batch.response_mask,
             self.cfg.max_logprob_diff,
             compare_fingerprints,
         )

@@ -166,7 +166,7 @@ def _rl_inputs(config: Config, call: StageCall) -> RLStageInputs:
         rollout=config.rollout,
         rollout_devices=call.rollout_devices,
         guards=PPOGuards.of(config.kl, config.reward, call.overrides),
-        objective=Objective.of(config.algorithm, config.kl, config.sampling, config.rollout.n),
+        objective=Objective.of(config),
         reward=config.reward,
     )
 

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from rlflow.engine.backend import dist
 from rlflow.engine.algorithms.advantages import compute_advantages
+from rlflow.engine.algorithms.dapo import overlong_penalty
 from rlflow.engine.algorithms.kl import compute_token_rewards, token_kl
 from rlflow.engine.algorithms.rollout_correction import correction_metrics, importance_weights, raw_importance_weights
 from rlflow.engine.algorithms.stats import explained_variance, masked_mean, masked_whiten
 from rlflow.engine.backend.runtime import Runtime, TrainEngine
 from rlflow.engine.config.stages import PPOConfig
-from rlflow.engine.config.kl import KLConfig
-from rlflow.engine.config.methods import AlgorithmConfig
 from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
 from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout.generate import (
@@ -33,12 +32,13 @@ from rlflow.engine.rollout.generate import (
     merge_rollouts,
     pad_responses,
 )
-from rlflow.engine.config.sampling import SamplingConfig, SamplingParams
+from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.rollout.service import RolloutService
 from rlflow.engine.seeds import step_seed
 from rlflow.engine.telemetry.phases import add_phases, timed
 
 if TYPE_CHECKING:
+    from rlflow.engine.config.schema import Config
     from rlflow.engine.data.records import PromptRecord
     from rlflow.engine.rewards.sources import RewardSource
 
@@ -62,24 +62,38 @@ class Objective:
     rollout_correction: str = "none"  # a key of engine/algorithms/rollout_correction.py CORRECTIONS
     correction_cap: float = 2.0
     correction_level: str = "token"  # or "sequence"
+    overlong_buffer: int | None = None  # DAPO's soft overlong penalty (tokens); None: off
+    overlong_penalty: float = 1.0  # reward units, at the length limit
+    dynamic_sampling_max_tries: int | None = None  # DAPO's dynamic sampling; None: off
 
     @classmethod
-    def of(cls, algorithm: AlgorithmConfig, kl: KLConfig, sampling: SamplingConfig, n: int) -> Objective:
+    def of(cls, config: Config) -> Objective:
+        """The objective a run's config defines (its algorithm, kl, sampling, rollout and reward sections)."""
+        algorithm, kl = config.algorithm, config.kl
         in_loss = kl.placed_in_loss(algorithm.name)
-        kl_estimator = kl.estimator_for(in_loss)
         return cls(
-            algorithm.name,
-            n,
-            in_loss,
-            kl_estimator,
-            kl.loss_coef,
-            algorithm.norm_std,
-            sampling.params(),
-            algorithm.policy_loss,
-            algorithm.rollout_correction,
-            algorithm.correction_cap,
-            algorithm.correction_level,
+            estimator=algorithm.name,
+            group_size=config.rollout.n,
+            kl_in_loss=in_loss,
+            kl_estimator=kl.estimator_for(in_loss),
+            kl_loss_coef=kl.loss_coef,
+            norm_std=algorithm.norm_std,
+            sampling=config.sampling.params(),
+            policy_loss=algorithm.policy_loss,
+            rollout_correction=algorithm.rollout_correction,
+            correction_cap=algorithm.correction_cap,
+            correction_level=algorithm.correction_level,
+            overlong_buffer=config.reward.overlong_buffer,
+            overlong_penalty=config.reward.overlong_penalty,
+            dynamic_sampling_max_tries=algorithm.dynamic_sampling_max_tries if algorithm.dynamic_sampling else None,
         )
+
+    def shaped_scores(self, scores: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+        """The rollout's scores [B] plus DAPO's overlong penalty of each response, if configured."""
+        if self.overlong_buffer is None:
+            return scores
+        lengths, budget = batch.response_mask.sum(-1), self.sampling.max_new_tokens
+        return scores + overlong_penalty(lengths, budget, self.overlong_buffer, self.overlong_penalty)
 
     def raw_importance_weights(self, old_logprobs: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
         """pi_old / pi_sampler [B, R] of the batch's tokens at this objective's correction level."""
@@ -109,6 +123,26 @@ class ScoredRollout:
     old_logprobs: torch.Tensor | None  # [B, R] policy log-probs at sampling time; None: the update computes them
     values: torch.Tensor | None  # [B, R] critic values at sampling time; None: the update computes them
 
+    def rows(self, index: torch.Tensor) -> ScoredRollout:
+        """The rows `index` [M], at the same widths."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        batch, ref, scores = self.batch.rows(index), self.ref_logprobs[index], self.scores[index]
+        return ScoredRollout(batch, ref, scores, pick(self.old_logprobs), pick(self.values))
+
+    @staticmethod
+    def concat(parts: Sequence[ScoredRollout], pad_id: int) -> ScoredRollout:
+        """Rows of `parts` in order, re-padded to common widths (merge_rollouts)."""
+        if len(parts) == 1:
+            return parts[0]
+        joined = lambda ts: None if ts[0] is None else pad_responses(ts)  # noqa: E731
+        return ScoredRollout(
+            merge_rollouts([p.batch for p in parts], pad_id),
+            pad_responses([p.ref_logprobs for p in parts]),
+            torch.cat([p.scores for p in parts]),
+            joined([p.old_logprobs for p in parts]),
+            joined([p.values for p in parts]),
+        )
+
 
 @dataclass(frozen=True)
 class Experience:
@@ -118,7 +152,7 @@ class Experience:
     old_logprobs: torch.Tensor  # [B, R] policy log-probs at sampling time
     ref_logprobs: torch.Tensor  # [B, R] reference log-probs
     values: torch.Tensor  # [B, R] critic values at sampling time (zeros without a critic)
-    scores: torch.Tensor  # [B] reward of each sample (sum over the reward sources, weighted)
+    scores: torch.Tensor  # [B] reward of each sample (sum over the reward sources, weighted; + overlong penalty)
     token_rewards: torch.Tensor  # [B, R] -kl_coef * KL per token (KL in the reward), + score at the last token
     advantages: torch.Tensor  # [B, R] by the objective's estimator (PPO: GAE, whitened if configured)
     returns: torch.Tensor  # [B, R] returns (PPO: the critic's targets)
@@ -236,7 +270,7 @@ def sample_and_score(
                 batches.append(batch)
                 scored.append(parts)
                 if models.rollout is not None:  # PPO's old log-probs double as the weight-sync probe
-                    checks.append(models.rollout.check(c, parts[0], batch.response_mask))
+                    checks.append(models.rollout.check(batch, parts[0]))
             fault_point("ppo", "rollout", step)
         if reward is not None:  # a failed reward source raises here, on every rank alike
             for parts, (handle, rows) in zip(scored, submitted):
@@ -268,15 +302,16 @@ def assemble_experience(
     cfg: PPOConfig,
     objective: Objective = Objective(),
 ) -> Experience:
-    """Token rewards (the score on each row's last token, minus kl_coef x KL per token unless the
-    KL is a loss term), then advantages and returns by the objective's estimator; PPO's GAE
-    advantages are whitened over response tokens if configured.
+    """Token rewards (the score, with the objective's overlong penalty, on each row's last token,
+    minus kl_coef x KL per token unless the KL is a loss term), then advantages and returns by the
+    objective's estimator; PPO's GAE advantages are whitened over response tokens if configured.
 
     old_logprobs, values: [B, R] at sampling time (masked); the rollout's own, or the update's."""
     mask = rollout.batch.response_mask
     o = objective
     kl = token_kl(old_logprobs, rollout.ref_logprobs, o.kl_estimator) * mask
-    rewards = compute_token_rewards(rollout.scores, kl, mask, 0.0 if o.kl_in_loss else kl_coef)
+    scores = o.shaped_scores(rollout.scores, rollout.batch)
+    rewards = compute_token_rewards(scores, kl, mask, 0.0 if o.kl_in_loss else kl_coef)
     advantages, returns = compute_advantages(
         o.estimator, rewards, values, mask, o.group_size, cfg.gamma, cfg.lam, o.norm_std
     )
@@ -291,7 +326,7 @@ def assemble_experience(
         old_logprobs,
         rollout.ref_logprobs,
         values,
-        rollout.scores,
+        scores,
         rewards,
         advantages,
         returns,
@@ -335,6 +370,10 @@ def experience_metrics(
         # Which tokens were drawn, exactly: equal checksums across runs mean identical samples.
         "rollout/response_ids_crc32": float(zlib.crc32((exp.batch.response_ids * mask.long()).numpy().tobytes())),
     }
+    if objective.overlong_buffer is not None:
+        penalty = objective.shaped_scores(torch.zeros_like(exp.scores), exp.batch)
+        metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
+        metrics["reward/overlong_penalty/fraction"] = float((penalty < 0).float().mean())
     if exp.batch.sampled_logprobs is not None:
         raw = objective.raw_importance_weights(exp.old_logprobs, exp.batch)
         weights = raw if exp.is_weights is None else exp.is_weights  # none: nothing capped or masked

@@ -23,6 +23,7 @@ from rlflow.engine.data.batching import batch_indices
 from rlflow.engine.config.kl import KLConfig
 from rlflow.engine.config.stages import PPOConfig
 from rlflow.engine.stages.evaluation import PromptSet, evaluate_policy
+from rlflow.engine.stages.rl.dynamic_sampling import sample_informative
 from rlflow.engine.stages.rl.experience import (
     Experience,
     Objective,
@@ -241,20 +242,27 @@ def ppo_step(
     timing_s/{gen,old_logprobs,ref,values,reward,update_actor,update_critic,other,step}."""
     started = time.monotonic()
     with collect_phases() as timings:  # every phase below adds its seconds (engine/telemetry/phases.py)
-        index = batch_indices(len(prompts.token_ids), cfg.rollout_batch, step, seed, round_index, 3)
-        index = [i for i in index for _ in range(objective.group_size)]
         update_actor = step > cfg.critic_warmup_steps or models.critic is None
         single = single_pass_possible(models, cfg, update_actor, objective.group_size)
-        rollout = sample_and_score(
-            models,
-            objective.sampling,
-            [prompts.token_ids[i] for i in index],
-            step_seed(seed, round_index, step, 4),
-            generate_batch,
-            step,
-            [prompts.records[i] for i in index],
-            from_update=single,
-        )
+
+        def sample(attempt: int) -> ScoredRollout:
+            # Try 0 draws today's prompts and seed; a further try of dynamic sampling its own.
+            extra = (attempt,) if attempt else ()
+            index = batch_indices(len(prompts.token_ids), cfg.rollout_batch, step, seed, round_index, 3, *extra)
+            index = [i for i in index for _ in range(objective.group_size)]
+            draw_seed = step_seed(seed, round_index, step, 4, *extra)
+            rows = [prompts.token_ids[i] for i in index]
+            records = [prompts.records[i] for i in index]
+            return sample_and_score(
+                models, objective.sampling, rows, draw_seed, generate_batch, step, records, from_update=single
+            )
+
+        sampled_metrics: dict[str, float] = {}
+        if objective.dynamic_sampling_max_tries is None:
+            rollout = sample(0)
+        else:
+            pad, tries = models.tokenizer.pad_token_id, objective.dynamic_sampling_max_tries
+            rollout, sampled_metrics = sample_informative(sample, objective, cfg.rollout_batch, tries, pad)
         coef = kl_controller.value
         if single:
             exp, update_metrics = single_pass_update(models, rollout, cfg, coef, step, objective)
@@ -264,12 +272,13 @@ def ppo_step(
             update_metrics = ppo_update(models, exp, cfg, update_actor, update_seed, step, objective)
         kl_coef = objective.kl_loss_coef if objective.kl_in_loss else coef
         metrics = experience_metrics(exp, kl_coef, models.critic is not None, objective) | update_metrics
+        metrics |= sampled_metrics
         if models.reward is not None:
             metrics |= models.reward.metrics
         if models.rollout is not None:  # the worker samples the next step with the updated actor
             add_phases(models.rollout.sync(models.actor))
         if not objective.kl_in_loss:  # with the KL in the loss its coefficient is fixed
-            kl_controller.update(metrics["actor/kl"], len(index))
+            kl_controller.update(metrics["actor/kl"], exp.batch.input_ids.shape[0])
     timings["timing_s/step"] = time.monotonic() - started
     # "other" is what no phase timed; the rollout worker's figures in the collection are not seconds.
     phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k != "timing_s/step"]

@@ -69,7 +69,7 @@ def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: En
     # The rollout ppo_step is about to draw (same seeds): chunk 0 is sampled by rank 0, chunk 1 by
     # rank 1 (under ZeRO-3 with synced_gpus); record each chunk's longest response.
     index = batch_indices(len(prompts.token_ids), 16, 1, 0, 0, 3)
-    objective = Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n)
+    objective = Objective.of(cfg)
     rows = [prompts.token_ids[i] for i in index]
     exp = make_experience(models, cfg.ppo, rows, 0.05, step_seed(0, 0, 1, 4), 8, objective=objective)
     chunk_lengths = [int(exp.batch.response_mask[c * 8 : (c + 1) * 8].sum(1).max()) for c in (0, 1)]
@@ -96,7 +96,7 @@ def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: En
     models = load_ppo_models(
         PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None), grpo_cfg.model, grpo_cfg.ppo, zero_gold, runtime
     )
-    objective = Objective.of(grpo_cfg.algorithm, grpo_cfg.kl, grpo_cfg.sampling, grpo_cfg.rollout.n)
+    objective = Objective.of(grpo_cfg)
     metrics = ppo_step(models, make_controller(grpo_cfg.kl), grpo_cfg.ppo, prompts, 0, 0, 1, 8, objective)
     result["grpo"] = {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
     weights.update({f"grpo.{k}": v for k, v in (models.actor.gathered_state_dict() or {}).items()})

@@ -1,6 +1,7 @@
 """The advantage estimators on small tensors, against hand arithmetic (the KL estimators: test_kl.py)."""
 
 import math
+import types
 import typing
 
 import pytest
@@ -11,7 +12,7 @@ from rlflow.engine.algorithms import kl
 from rlflow.engine.algorithms.advantages import compute_gae_advantages
 from rlflow.engine.config.schema import load_config
 from rlflow.engine.config.kl import DEFAULT_ESTIMATOR, DEFAULT_KL_IN_LOSS, KLConfig, KLEstimator
-from rlflow.engine.config.methods import ALGORITHMS, AlgorithmConfig
+from rlflow.engine.config.methods import ALGORITHMS, AlgorithmConfig, RewardConfig
 from rlflow.engine.config.sampling import SamplingConfig, SamplingParams
 from rlflow.engine.stages.rl.experience import Objective
 
@@ -113,9 +114,16 @@ def test_config_names_match_the_estimator_table():
 
 
 def test_the_kl_section_resolves_where_the_kl_goes_and_its_estimator():
-    objective = lambda name, **kl_keys: Objective.of(  # noqa: E731
-        AlgorithmConfig(name=name), KLConfig(**kl_keys), SamplingConfig(temperature=0.7, max_new_tokens=9), 4
-    )
+    def objective(name, **kl_keys):
+        sections = {
+            "algorithm": AlgorithmConfig(name=name),
+            "kl": KLConfig(**kl_keys),
+            "sampling": SamplingConfig(temperature=0.7, max_new_tokens=9),
+            "rollout": types.SimpleNamespace(n=4),
+            "reward": RewardConfig(),
+        }
+        return Objective.of(types.SimpleNamespace(**sections))
+
     grpo, ppo = objective("grpo"), objective("ppo")
     assert (grpo.kl_in_loss, grpo.kl_estimator, grpo.kl_loss_coef) == (True, "low_var_kl", 0.001)
     assert (ppo.kl_in_loss, ppo.kl_estimator) == (False, "k1")

@@ -105,3 +105,28 @@ def test_dpo_bounds():
         with pytest.raises(ValidationError) as info:
             DPOConfig(**keys)
         assert info.value.errors()[0]["loc"] == (field,)
+
+
+def test_policy_loss_and_rollout_correction_names_and_cap_are_checked():
+    refused(AlgorithmConfig, "unknown algorithm.policy_loss 'grpo'; valid: ppo, gspo, cispo", policy_loss="grpo")
+    refused(
+        AlgorithmConfig,
+        "unknown algorithm.rollout_correction 'is'; valid: none, tis, mis",
+        rollout_correction="is",
+    )
+    refused(AlgorithmConfig, "greater than 1", correction_cap=1.0)
+    refused(AlgorithmConfig, "'token' or 'sequence'", correction_level="row")
+
+
+def test_dapo_keys_are_checked_against_the_rest_of_the_config():
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.errors import ConfigError
+
+    grpo = {"algorithm": {"name": "grpo", "dynamic_sampling": True}, "rollout": {"n": 4}}
+    assert build_config(grpo, "t").algorithm.dynamic_sampling_max_tries == 3
+    with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling .* rollout.n >= 2 .* \(got 1\)"):
+        build_config({"algorithm": {"dynamic_sampling": True}, "rollout": {"n": 1}}, "t")
+    with pytest.raises(ConfigError, match="dynamic_sampling with rollout.mode=server"):
+        build_config(grpo | {"rollout": {"n": 4, "mode": "server"}}, "t")
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer=40 .* sampling.max_new_tokens=32.* at most 32"):
+        build_config({"reward": {"overlong_buffer": 40}, "sampling": {"max_new_tokens": 32}}, "t")

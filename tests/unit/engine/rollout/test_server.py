@@ -92,6 +92,21 @@ def probe(client, policy, prompts, check_fingerprint=True):
 # --- one tiny worker, in order --------------------------------------------------------------------
 
 
+def test_pipelined_generations_come_back_in_order_and_block_other_requests(client, tiny):
+    _, _, prompts = tiny
+    sequential = [client.generate(prompts, PARAMS, seed) for seed in (SEED, SEED + 1)]
+    client.submit(prompts, PARAMS, SEED)
+    client.submit(prompts, PARAMS, SEED + 1)
+    assert client.outstanding == 2
+    with pytest.raises(RolloutWorkerError, match="2 generation.*outstanding; collect"):
+        client.fingerprint()  # its reply would be a generation's
+    assert [client.collect(), client.collect()] == sequential
+    assert sequential[0] != sequential[1] and client.outstanding == 0
+    with pytest.raises(RolloutWorkerError, match="no generate request outstanding"):
+        client.collect()
+    client.fingerprint()  # the connection is still in step
+
+
 def test_server_generation_equals_colocated(client, policy, tiny):
     _, tokenizer, prompts = tiny
     batch = client.rollout_batch(prompts, PARAMS, SEED)

@@ -12,6 +12,7 @@ from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
+from rlflow.engine.rollout.generate import RolloutBatch
 from rlflow.engine.rollout.server import Generation
 from rlflow.engine.rollout.service import RolloutService
 from rlflow.engine.rollout.weight_sync import WeightSyncError
@@ -108,19 +109,27 @@ def test_sampled_chunks_carry_the_workers_log_probs_masked_for_the_guard(small_a
     batches = service.sample_chunks([(0, [[1, 2], [3]], 10), (1, [[4]], 11)], params)
     assert worker.calls == [(2, 10), (1, 11)]
     assert batches[0].response_ids.tolist() == [[7, eos, tokenizer.pad_token_id], [8, 9, 5]]
-    assert service.pending[0].tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
-    assert service.pending[1].tolist() == [[-4.0]]
+    assert batches[0].sampled_logprobs.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert batches[1].sampled_logprobs.tolist() == [[-4.0]]
+
+
+def sampled(worker_logprobs, mask):
+    """A one-token-prompt batch whose sampler reported `worker_logprobs` [b, R] for `mask` [b, R]."""
+    rows, width = mask.shape
+    ids = torch.zeros(rows, 1 + width, dtype=torch.long)
+    attention = torch.cat([torch.ones(rows, 1), mask], 1).long()
+    return RolloutBatch(ids, attention, mask, 1, ("",) * rows, torch.tensor(worker_logprobs) * mask)
 
 
 def test_the_guard_compares_fingerprints_once_per_sync_and_sums_the_diffs():
     service = RolloutService(RolloutConfig(mode="server", max_logprob_diff=0.1), client=None)
     service.trainer_fingerprint, service.worker_fingerprint = "sha256:a", "sha256:a"
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    service.pending = {0: torch.tensor([[-1.0, -2.0, 0.0]]), 1: torch.tensor([[-1.0, -1.0, 0.0]])}
-    total, tokens, worst = service.check(0, torch.tensor([[-1.02, -2.04, 0.0]]), mask)
+    first, second = sampled([[-1.0, -2.0, 0.0]], mask), sampled([[-1.0, -1.0, 0.0]], mask)
+    total, tokens, worst = service.check(first, torch.tensor([[-1.02, -2.04, 0.0]]))
     assert (total, tokens, worst) == (pytest.approx(0.06), 2.0, pytest.approx(0.04))
-    assert service.trainer_fingerprint is None and 0 not in service.pending  # compared: until the next sync
-    service.check(1, torch.tensor([[-1.0, -1.0, 0.0]]), mask)  # no fingerprints now: not compared
+    assert service.trainer_fingerprint is None  # compared: until the next sync
+    service.check(second, torch.tensor([[-1.0, -1.0, 0.0]]))  # no fingerprints now: not compared
     metrics = RolloutService.metrics([(0.06, 2.0, 0.04), (0.0, 2.0, 0.0)])
     assert metrics == {"rollout/logprob_diff_mean": pytest.approx(0.015), "rollout/logprob_diff_max": 0.04}
     assert RolloutService.metrics([]) == {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
@@ -129,6 +138,5 @@ def test_the_guard_compares_fingerprints_once_per_sync_and_sums_the_diffs():
 def test_a_worker_out_of_step_fails_the_guard_with_the_numbers():
     service = RolloutService(RolloutConfig(mode="server", max_logprob_diff=0.01), client=None)
     service.trainer_fingerprint, service.worker_fingerprint = "sha256:a", "sha256:b"
-    service.pending = {3: torch.zeros(1, 2)}
     with pytest.raises(WeightSyncError, match=r"fingerprints differ.*log-prob diff max 0\.5 nats"):
-        service.check(3, torch.tensor([[0.5, 0.0]]), torch.ones(1, 2))
+        service.check(sampled([[0.0, 0.0]], torch.ones(1, 2)), torch.tensor([[0.5, 0.0]]))

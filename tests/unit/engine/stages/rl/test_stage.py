@@ -62,7 +62,7 @@ def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tm
     cfg = build_config(small_config_tree(small_assets, tmp_path), "t")
     models = _models(trained, boom)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-    metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 32, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
+    metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 32, Objective.of(cfg))
     for key in (
         "actor/pg_loss",
         "actor/pg_clipfrac",
@@ -164,11 +164,11 @@ def test_critic_warmup_updates_only_the_critic(trained, small_assets, tmp_path):
     actor_before = {k: v.clone() for k, v in actor.state_dict().items()}
     critic_before = {k: v.clone() for k, v in critic.state_dict().items()}
     controller = make_controller(cfg.kl)
-    warm = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 1, 32, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
+    warm = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 1, 32, Objective.of(cfg))
     assert "actor/pg_loss" not in warm and "critic/vf_loss" in warm and warm["timing_s/update_critic"] > 0
     assert all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())
     assert not all(torch.equal(v, critic.state_dict()[k]) for k, v in critic_before.items())
-    after = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 2, 32, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
+    after = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 2, 32, Objective.of(cfg))
     assert "actor/pg_loss" in after
     assert not all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())
 
@@ -192,7 +192,7 @@ def test_single_pass_update_equals_scoring_then_updating(trained, small_assets, 
         )
         assert single_pass_possible(models, cfg.ppo, update_actor=True) == (micro is None)
         prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-        metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 16, Objective.of(cfg.algorithm, cfg.kl, cfg.sampling, cfg.rollout.n))
+        metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 16, Objective.of(cfg))
         runs[micro] = metrics, models.actor.model.state_dict(), models.critic.model.state_dict()
     (single, actor_1, critic_1), (split, actor_2, critic_2) = runs[None], runs[8]
     assert "timing_s/old_logprobs" not in single and split["timing_s/old_logprobs"] > 0
