@@ -191,6 +191,9 @@ class RolloutConfig(Section):
     """Interpreter of the separate vLLM environment."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long the rollout worker may take to become ready, in seconds."""
+    response_timeout_s: float = Field(1800.0, gt=0)
+    """Longest wait for one reply of the running worker (a batch's samples, a weight bucket), in
+    seconds; a worker alive but silent that long is killed and the run stops with an error naming it."""
 
 
 class PlacementConfig(Section):

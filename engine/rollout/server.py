@@ -118,6 +118,7 @@ class RolloutClient:
         self._inline = torch.empty(0, dtype=torch.uint8)
         self._failed: str | None = None
         self._outstanding = 0  # generate requests sent, replies not yet read
+        self.response_timeout_s: float | None = None  # longest wait for one reply; None: no limit
         self._own_log = False  # a temp log we created: deleted by a clean close
         self._finalizer = weakref.finalize(self, _cleanup, proc, [socket_path])
 
@@ -136,6 +137,7 @@ class RolloutClient:
         startup_timeout_s: float = 300.0,
         threads: int | None = None,
         *,
+        response_timeout_s: float | None = None,
         tokenizer: Any = None,
         dtype: str = "float32",
         log_path: str | None = None,
@@ -185,7 +187,7 @@ class RolloutClient:
                 command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env
             )
         client = cls(proc, backend, log_path, tokenizer, socket_path)
-        client._own_log = own_log
+        client._own_log, client.response_timeout_s = own_log, response_timeout_s
         try:
             client._connect(listener, time.monotonic() + startup_timeout_s, startup_timeout_s)
         except BaseException:
@@ -298,8 +300,22 @@ class RolloutClient:
             self._died(f"receiving {header['op']!r}")
 
     def _reply(self, op: str) -> tuple[dict[str, Any], memoryview]:
+        deadline = None if self.response_timeout_s is None else time.monotonic() + self.response_timeout_s
+
+        def waiting() -> None:
+            self._check_alive(f"handling {op!r}")
+            if deadline is not None and time.monotonic() > deadline:
+                # Alive but silent: stopped, deadlocked or far slower than allowed. Killed, so that
+                # nothing it might still send can be read as the reply to a later request.
+                self.proc.kill()
+                self._fail(
+                    f"sent no reply to {op!r} within {self.response_timeout_s:g} s (rollout.response_timeout_s)"
+                    " although it was still running; it was killed. Raise rollout.response_timeout_s if a batch"
+                    " legitimately takes longer"
+                )
+
         try:
-            reply, payload = recv_message(self.sock, on_idle=lambda: self._check_alive(f"handling {op!r}"))
+            reply, payload = recv_message(self.sock, on_idle=waiting)
         except (PeerClosed, OSError):
             self._died(f"handling {op!r}")
         if not reply.get("ok"):

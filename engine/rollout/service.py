@@ -53,6 +53,7 @@ class RolloutService:
                 model_dir,
                 python=cfg.vllm_python if cfg.server_backend == "vllm" else None,
                 startup_timeout_s=cfg.startup_timeout_s,
+                response_timeout_s=cfg.response_timeout_s,
                 tokenizer=tokenizer,
                 log_path=log_path,
                 cuda_visible_devices=cuda_visible_devices,
