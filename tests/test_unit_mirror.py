@@ -77,7 +77,7 @@ def _dotted(node: ast.expr) -> str | None:
 
 def mirror_gap(test_file: Path, dotted: str) -> str | None:
     """Why `test_file` is not a mirror test of module `dotted` (None when it is one): it must import
-    from the module and call a name it imported (or an attribute of the imported module)."""
+    from the module and call a name it imported (or an attribute of it, or of the imported module)."""
     if not test_file.is_file():
         return "missing"
     tree = ast.parse(test_file.read_text(), str(test_file))
@@ -102,8 +102,8 @@ def mirror_gap(test_file: Path, dotted: str) -> str | None:
             func = node.func
             if isinstance(func, ast.Name) and func.id in names:
                 return None
-            if isinstance(func, ast.Attribute) and _dotted(func.value) in modules:
-                return None
+            if isinstance(func, ast.Attribute) and _dotted(func.value) in modules | names:
+                return None  # the module's function, or a class method (`RolloutClient.start(...)`)
     return f"imports from {dotted} but calls nothing it imported"
 
 
@@ -223,6 +223,7 @@ def test_the_check_names_a_module_without_a_test_and_where_its_test_goes(tmp_pat
         "from rlflow.engine.parts.widget import make\n\ndef test_it():\n    assert make() == 1\n",
         "from rlflow.engine.parts import widget\n\ndef test_it():\n    assert widget.make() == 1\n",
         "import rlflow.engine.parts.widget\n\ndef test_it():\n    assert rlflow.engine.parts.widget.make() == 1\n",
+        "from rlflow.engine.parts.widget import Widget\n\ndef test_it():\n    assert Widget.start() == 1\n",
     ):
         test.write_text(calling)
         assert mirror_problems(tmp_path, {}, {}) == []

@@ -182,7 +182,7 @@ class RolloutConfig(Section):
     """Compare the sha256 fingerprints of the trainer's and the worker's weights after every sync; a
     mismatch stops the run."""
     probe_rows: int = Field(4, ge=1)
-    """Worker samples whose log-probs probe_weight_sync (engine/rollout/server.py) recomputes after a
+    """Worker samples whose log-probs probe_weight_sync (engine/rollout/served.py) recomputes after a
     sync. Unused by the RL stage, which checks the log-probs of every sampled row."""
     max_logprob_diff: float = Field(1e-3, gt=0)
     """Largest |trainer - worker| log-prob difference of a sampled token after a sync, in nats; above

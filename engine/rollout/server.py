@@ -1,10 +1,11 @@
 """Rollout as a service, trainer side: start a worker process, sample from it, push weights to it.
 
     with RolloutClient.start("hf", model_dir, tokenizer=tokenizer) as client:
-        batch = client.rollout_batch(prompts, params, seed)   # like generate_rollouts
+        generation = client.generate(prompts, params, seed)   # token ids and log-probs per prompt
         ...optimizer step...
         stats = client.update_weights(policy.named_parameters(), bucket_mb=256)
-        probe_weight_sync(client, policy, batch, params.temperature, ...)
+
+engine/rollout/served.py turns a Generation into the trainer's RolloutBatch and probes a sync.
 
 The worker (`rollout_worker` for "hf", `rollout_worker_vllm` for "vllm") runs under its own
 interpreter and talks over a Unix socket in a private directory (docs/rollout-protocol.md). A dead
@@ -30,17 +31,10 @@ from typing import Any, NamedTuple, NoReturn, final
 
 import torch
 from rlflow.engine.errors import RlflowError
-from rlflow.engine.rollout.generate import RolloutBatch, batched_logprobs
 from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.models.tokens import response_mask_from_ids, stop_token_ids
+from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.worker import GenerateRequest, PeerClosed, recv_message, send_message
-from rlflow.engine.rollout.weight_sync import (
-    SyncCheck,
-    check_weight_sync,
-    iter_buckets,
-    pack_bucket,
-    weights_fingerprint,
-)
+from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket
 
 WORKER_MODULES = {"hf": "rlflow.engine.rollout.worker", "vllm": "rlflow.engine.rollout.worker_vllm"}
 POLL_S = 0.2  # how often a waiting client checks that the worker is still alive
@@ -374,11 +368,6 @@ class RolloutClient:
             [ids[s : s + n] for s, n in zip(starts, lengths)], [logprobs[s : s + n] for s, n in zip(starts, lengths)]
         )
 
-    def rollout_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> RolloutBatch:
-        """A RolloutBatch exactly as `generate_rollouts` builds it, the worker's log-probs as its sampled_logprobs."""
-        generation = self.generate(prompts, params, seed)
-        return build_rollout_batch(self.tokenizer, prompts, generation, params.max_new_tokens)
-
     def fingerprint(self) -> str:
         """The worker's weights_fingerprint (compare with the trainer's, rounded to `self.dtype`)."""
         return self._request({"op": "fingerprint"})[0]["fingerprint"]
@@ -462,74 +451,3 @@ def _peer_pid(conn: socket.socket) -> int | None:
         return None
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[0]
-
-
-def build_rollout_batch(
-    tokenizer: Any, prompts: Sequence[Sequence[int]], generation: Generation, max_new_tokens: int
-) -> RolloutBatch:
-    """The RolloutBatch `generate_rollouts` would build from these prompts and the worker's samples.
-
-    Same left padding, same right padding with pad_token_id after each row's EOS, same response
-    mask (1 up to and including the first EOS). Width R = the longest response. The worker's
-    log-probs become sampled_logprobs (0 on padding).
-    """
-    response_ids = generation.response_ids
-    from rlflow.engine.data.batching import left_pad
-
-    pad, stops = tokenizer.pad_token_id, stop_token_ids(tokenizer)
-    ids, attention = left_pad(prompts, pad)
-    width = max(len(r) for r in response_ids)
-    response = torch.full((len(response_ids), width), pad, dtype=torch.long)
-    for i, row in enumerate(response_ids):
-        if len(row) < max_new_tokens and (not row or row[-1] not in stops):
-            raise RolloutWorkerError(
-                f"rollout worker returned a {len(row)}-token response without EOS (max_new_tokens={max_new_tokens});"
-                " the worker's stop condition differs from the trainer's: check the model's eos_token_id"
-            )
-        response[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
-    mask = response_mask_from_ids(response, stops)
-    response = torch.where(mask.bool(), response, torch.full_like(response, pad))
-    logprobs = torch.zeros(mask.shape)
-    for i, row in enumerate(generation.logprobs):
-        logprobs[i, : len(row)] = torch.tensor(row)
-    return RolloutBatch(
-        input_ids=torch.cat([ids, response], 1),
-        attention_mask=torch.cat([attention, mask.long()], 1),
-        response_mask=mask,
-        prompt_width=ids.shape[1],
-        response_texts=tuple(tokenizer.batch_decode(response, skip_special_tokens=True)),
-        sampled_logprobs=logprobs * mask,
-    )
-
-
-def probe_weight_sync(
-    client: RolloutClient,
-    policy: torch.nn.Module,
-    batch: RolloutBatch,
-    temperature: float,
-    *,
-    probe_rows: int,
-    max_logprob_diff: float,
-    check_fingerprint: bool,
-) -> SyncCheck:
-    """The post-sync guard on a batch the worker just sampled (WeightSyncError when out of sync).
-
-    Recomputes the first `probe_rows` rows' log-probs [probe_rows, R] with the trainer's policy and
-    compares them to the worker's (the batch's sampled_logprobs); if `check_fingerprint`, also compares weight fingerprints.
-    """
-    index = torch.arange(min(probe_rows, batch.input_ids.shape[0]))
-    rows = batch.rows(index)
-    trainer_logprobs = batched_logprobs(policy, rows, temperature)
-    trainer_fp = worker_fp = None
-    if check_fingerprint:
-        trainer_fp = weights_fingerprint(policy.named_parameters(), round_to=client.dtype)
-        worker_fp = client.fingerprint()
-    return check_weight_sync(
-        trainer_fp,
-        worker_fp,
-        trainer_logprobs,
-        rows.sampled_logprobs * rows.response_mask,
-        rows.response_mask,
-        max_logprob_diff,
-        check_fingerprint,
-    )

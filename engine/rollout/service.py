@@ -67,7 +67,8 @@ class RolloutService:
     ) -> dict[int, RolloutBatch]:
         """chunks: (chunk index, prompts, seed) of the whole step, the same list on every rank.
         Returns this rank's chunks (index c with c % world == rank) as RolloutBatches."""
-        from rlflow.engine.rollout.server import Generation, build_rollout_batch
+        from rlflow.engine.rollout.served import build_rollout_batch
+        from rlflow.engine.rollout.server import Generation
 
         sampled: list[list[list[int]]] = []
         logprobs: list[list[list[float]]] = []

@@ -19,7 +19,8 @@ import torch
 from rlflow.engine.models.loading import load_policy, load_tokenizer, token_logprobs
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.rollout.generate import generate_rollouts
-from rlflow.engine.rollout.server import RolloutClient, RolloutWorkerError, probe_weight_sync
+from rlflow.engine.rollout.served import build_rollout_batch, probe_weight_sync
+from rlflow.engine.rollout.server import RolloutClient, RolloutWorkerError
 from rlflow.engine.rollout.weight_sync import WeightSyncError, iter_buckets, weights_fingerprint
 
 PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=24)
@@ -76,8 +77,14 @@ def perturb(policy, seed, scale=0.01):
             p.add_(torch.randn(p.shape, generator=generator) * scale)
 
 
+def served(client, prompts):
+    """The worker's samples of `prompts` as the RolloutBatch generate_rollouts would build."""
+    generation = client.generate(prompts, PARAMS, SEED)
+    return build_rollout_batch(client.tokenizer, prompts, generation, PARAMS.max_new_tokens)
+
+
 def probe(client, policy, prompts, check_fingerprint=True):
-    batch = client.rollout_batch(prompts, PARAMS, SEED)
+    batch = served(client, prompts)
     return probe_weight_sync(
         client,
         policy,
@@ -109,7 +116,7 @@ def test_pipelined_generations_come_back_in_order_and_block_other_requests(clien
 
 def test_server_generation_equals_colocated(client, policy, tiny):
     _, tokenizer, prompts = tiny
-    batch = client.rollout_batch(prompts, PARAMS, SEED)
+    batch = served(client, prompts)
     colocated = generate_rollouts(policy, tokenizer, prompts, PARAMS, SEED)
     assert torch.equal(batch.input_ids, colocated.input_ids)
     assert torch.equal(batch.attention_mask, colocated.attention_mask)
@@ -132,7 +139,7 @@ def test_full_sync_after_a_training_like_change(client, policy, tiny):
     check = probe(client, policy, prompts)
     assert check.fingerprint_match and check.logprob_diff_max < 1e-5
     colocated = generate_rollouts(policy, tiny[1], prompts, PARAMS, SEED)  # still token-identical
-    assert torch.equal(client.rollout_batch(prompts, PARAMS, SEED).input_ids, colocated.input_ids)
+    assert torch.equal(served(client, prompts).input_ids, colocated.input_ids)
 
 
 @pytest.mark.parametrize("check_fingerprint", [True, False])
@@ -282,7 +289,7 @@ def test_vllm_worker_generates_and_syncs(tiny, policy):
     with RolloutClient.start("vllm", model_dir, python=python, tokenizer=tokenizer, dtype="bfloat16") as client:
         perturb(policy, seed=5)
         client.update_weights(policy.named_parameters(), bucket_mb=SMALL_BUCKET_MB)
-        batch = client.rollout_batch(prompts, PARAMS, SEED)
+        batch = served(client, prompts)
         check = probe_weight_sync(
             client, policy, batch, 1.0, probe_rows=4, max_logprob_diff=0.05, check_fingerprint=True
         )

@@ -1,0 +1,92 @@
+"""The worker's samples as the trainer's batches, and the guard that a weight sync arrived.
+
+    generation = client.generate(prompts, params, seed)
+    batch = build_rollout_batch(tokenizer, prompts, generation, params.max_new_tokens)
+    ...optimizer step, client.update_weights(...)...
+    probe_weight_sync(client, policy, batch, params.temperature, probe_rows=4, ...)
+
+Kept apart from engine/rollout/server.py (the process, its socket and its requests): this side
+knows tokenizers, masks and the trainer's policy, the client knows none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from rlflow.engine.data.batching import left_pad
+from rlflow.engine.models.tokens import response_mask_from_ids, stop_token_ids
+from rlflow.engine.rollout.generate import RolloutBatch, batched_logprobs
+from rlflow.engine.rollout.server import Generation, RolloutClient, RolloutWorkerError
+from rlflow.engine.rollout.weight_sync import SyncCheck, check_weight_sync, weights_fingerprint
+
+
+def build_rollout_batch(
+    tokenizer: Any, prompts: Sequence[Sequence[int]], generation: Generation, max_new_tokens: int
+) -> RolloutBatch:
+    """The RolloutBatch `generate_rollouts` would build from these prompts and the worker's samples.
+
+    Same left padding, same right padding with pad_token_id after each row's EOS, same response
+    mask (1 up to and including the first EOS). Width R = the longest response. The worker's
+    log-probs become sampled_logprobs (0 on padding).
+    """
+    response_ids = generation.response_ids
+    pad, stops = tokenizer.pad_token_id, stop_token_ids(tokenizer)
+    ids, attention = left_pad(prompts, pad)
+    width = max(len(r) for r in response_ids)
+    response = torch.full((len(response_ids), width), pad, dtype=torch.long)
+    for i, row in enumerate(response_ids):
+        if len(row) < max_new_tokens and (not row or row[-1] not in stops):
+            raise RolloutWorkerError(
+                f"rollout worker returned a {len(row)}-token response without EOS (max_new_tokens={max_new_tokens});"
+                " the worker's stop condition differs from the trainer's: check the model's eos_token_id"
+            )
+        response[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+    mask = response_mask_from_ids(response, stops)
+    response = torch.where(mask.bool(), response, torch.full_like(response, pad))
+    logprobs = torch.zeros(mask.shape)
+    for i, row in enumerate(generation.logprobs):
+        logprobs[i, : len(row)] = torch.tensor(row)
+    return RolloutBatch(
+        input_ids=torch.cat([ids, response], 1),
+        attention_mask=torch.cat([attention, mask.long()], 1),
+        response_mask=mask,
+        prompt_width=ids.shape[1],
+        response_texts=tuple(tokenizer.batch_decode(response, skip_special_tokens=True)),
+        sampled_logprobs=logprobs * mask,
+    )
+
+
+def probe_weight_sync(
+    client: RolloutClient,
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    temperature: float,
+    *,
+    probe_rows: int,
+    max_logprob_diff: float,
+    check_fingerprint: bool,
+) -> SyncCheck:
+    """The post-sync guard on a batch the worker just sampled (WeightSyncError when out of sync).
+
+    Recomputes the first `probe_rows` rows' log-probs [probe_rows, R] with the trainer's policy and
+    compares them to the worker's (the batch's sampled_logprobs); if `check_fingerprint`, also
+    compares weight fingerprints.
+    """
+    index = torch.arange(min(probe_rows, batch.input_ids.shape[0]))
+    rows = batch.rows(index)
+    trainer_logprobs = batched_logprobs(policy, rows, temperature)
+    trainer_fp = worker_fp = None
+    if check_fingerprint:
+        trainer_fp = weights_fingerprint(policy.named_parameters(), round_to=client.dtype)
+        worker_fp = client.fingerprint()
+    return check_weight_sync(
+        trainer_fp,
+        worker_fp,
+        trainer_logprobs,
+        rows.sampled_logprobs * rows.response_mask,
+        rows.response_mask,
+        max_logprob_diff,
+        check_fingerprint,
+    )
