@@ -30,6 +30,9 @@ EVENTS = {
     "sigterm": "start of the step: the process sends itself SIGTERM (preemption) and goes on",
     "hang": "start of the step: the stage blocks forever (the watchdog's test)",
     "reward_error": "PPO: the reward source raises RewardSourceError at scoring",
+    "batch_received": "PPO: the step's batch sampled and scored, no update yet",
+    "weight_sync": "PPO, rollout.mode server: the first tensor of the actor's weights sent to the worker",
+    "generate": "the rollout worker (stage 'rollout', n: its n-th generate request), before sampling",
     "nonfinite": "the step's loss becomes NaN",
 }
 

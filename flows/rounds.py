@@ -180,6 +180,8 @@ def rl_stage(
             "gold": c.gold,
             "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode],
             "model": model_section_of(c),
+            # Off-policy sampling changes what is trained on; k=0 keeps the synchronous identities.
+            **({"rollout_off_policy_steps": c.rollout.off_policy_steps} if c.rollout.off_policy_steps else {}),
         },
         {k: _input_id(v) for k, v in upstream},
         ("prompts", "eval_prompts"),

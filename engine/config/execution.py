@@ -181,9 +181,17 @@ class RolloutConfig(Section):
     check_fingerprint: bool = True
     """Compare the sha256 fingerprints of the trainer's and the worker's weights after every sync; a
     mismatch stops the run."""
+    off_policy_steps: int = Field(0, ge=0, le=64)
+    """k: the worker samples the batch of step t+k while the trainer trains step t (mode server only);
+    batch t is sampled by the actor after max(0, t-1-k) steps, whatever the machine's speed, so runs
+    stay reproducible and resume exactly. 0: synchronous, each batch sampled by the current actor."""
+    threads: int | None = Field(None, ge=1)
+    """torch CPU threads of the worker process; None: the trainer's count (on a CPU machine, give
+    each side its own cores with run.threads and rollout.threads)."""
     probe_rows: int = Field(4, ge=1)
-    """Worker samples whose log-probs probe_weight_sync (engine/rollout/served.py) recomputes after a
-    sync. Unused by the RL stage, which checks the log-probs of every sampled row."""
+    """Rows the worker samples, and the trainer rescores, right after each weight sync when
+    off_policy_steps > 0 (the guard compares both under the same version). At 0 the log-probs of
+    every sampled row are compared instead, as PPO's old log-probs."""
     max_logprob_diff: float = Field(1e-3, gt=0)
     """Largest |trainer - worker| log-prob difference of a sampled token after a sync, in nats; above
     it the run stops."""

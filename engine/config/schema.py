@@ -191,6 +191,12 @@ class Config(Section):
                 "algorithm.dynamic_sampling with rollout.mode=server is not supported yet (the worker's weight-sync"
                 " probe covers one sampling per step); use rollout.mode=colocated or algorithm.dynamic_sampling=false"
             )
+        if self.rollout.off_policy_steps and self.rollout.mode != "server":
+            raise ValueError(
+                f"rollout.off_policy_steps={self.rollout.off_policy_steps} samples ahead of training in a separate"
+                " worker: it needs rollout.mode=server (got colocated); set rollout.mode=server or"
+                " rollout.off_policy_steps=0"
+            )
         budget = self.sampling.max_new_tokens
         if self.reward.overlong_buffer is not None and self.reward.overlong_buffer > budget:
             raise ValueError(

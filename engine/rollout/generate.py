@@ -27,6 +27,9 @@ class RolloutBatch:
     # [B, R] the sampler's log softmax(logits / T) of each response token (the behaviour policy's,
     # before top-p), 0 on padding; None where the producer did not report them (hand-built batches).
     sampled_logprobs: torch.Tensor | None = None
+    # [B] int64 the policy version (completed training steps) that sampled each row; None: the
+    # trainer's current policy (colocated sampling, hand-built batches).
+    sampled_versions: torch.Tensor | None = None
 
     @property
     def response_ids(self) -> torch.Tensor:  # [B, R]
@@ -40,6 +43,7 @@ class RolloutBatch:
             self.prompt_width,
             tuple(self.response_texts[i] for i in index.tolist()),
             None if self.sampled_logprobs is None else self.sampled_logprobs[index],
+            None if self.sampled_versions is None else self.sampled_versions[index],
         )
 
 
@@ -65,6 +69,9 @@ def merge_rollouts(parts: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
             None
             if any(p.sampled_logprobs is None for p in parts)
             else pad_responses([p.sampled_logprobs for p in parts])
+        ),
+        sampled_versions=(
+            None if any(p.sampled_versions is None for p in parts) else torch.cat([p.sampled_versions for p in parts])
         ),
     )
 

@@ -23,13 +23,18 @@ from rlflow.engine.rollout.weight_sync import SyncCheck, check_weight_sync, weig
 
 
 def build_rollout_batch(
-    tokenizer: Any, prompts: Sequence[Sequence[int]], generation: Generation, max_new_tokens: int
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    generation: Generation,
+    max_new_tokens: int,
+    version: int | None = None,
 ) -> RolloutBatch:
     """The RolloutBatch `generate_rollouts` would build from these prompts and the worker's samples.
 
     Same left padding, same right padding with pad_token_id after each row's EOS, same response
     mask (1 up to and including the first EOS). Width R = the longest response. The worker's
-    log-probs become sampled_logprobs (0 on padding).
+    log-probs become sampled_logprobs (0 on padding); `version`, the policy version the worker
+    held, becomes every row's sampled_versions (None: left unset).
     """
     response_ids = generation.response_ids
     pad, stops = tokenizer.pad_token_id, stop_token_ids(tokenizer)
@@ -55,6 +60,7 @@ def build_rollout_batch(
         prompt_width=ids.shape[1],
         response_texts=tuple(tokenizer.batch_decode(response, skip_special_tokens=True)),
         sampled_logprobs=logprobs * mask,
+        sampled_versions=None if version is None else torch.full((len(response_ids),), version, dtype=torch.long),
     )
 
 

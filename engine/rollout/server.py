@@ -113,6 +113,7 @@ class RolloutClient:
         self._failed: str | None = None
         self._outstanding = 0  # generate requests sent, replies not yet read
         self.response_timeout_s: float | None = None  # longest wait for one reply; None: no limit
+        self.worker_idle_s = 0.0  # the worker's idle seconds so far, from its latest reply
         self._own_log = False  # a temp log we created: deleted by a clean close
         self._finalizer = weakref.finalize(self, _cleanup, proc, [socket_path])
 
@@ -312,6 +313,7 @@ class RolloutClient:
             reply, payload = recv_message(self.sock, on_idle=waiting)
         except (PeerClosed, OSError):
             self._died(f"handling {op!r}")
+        self.worker_idle_s = float(reply.get("idle_s", self.worker_idle_s))
         if not reply.get("ok"):
             raise RolloutWorkerError(f"rollout worker {self.backend} refused {op!r}: {reply.get('error')}")
         return reply, payload

@@ -2,24 +2,32 @@
 
 Rank 0 owns the worker. It samples every chunk of a step (chunk c with the same seed colocated
 sampling would use), and each rank takes its chunks' token ids. After every optimizer step the
-actor's weights go to the worker in buckets; the trainer then compares weight fingerprints and,
-on the next batch, the log-probs the worker reported for its samples against the trainer's own
-(computed anyway as PPO's old log-probs): a skipped or partial sync stops the run.
+actor's weights go to the worker in buckets; the trainer then compares weight fingerprints and
+the worker's log-probs against its own under the same weights: a skipped or partial sync stops
+the run. Synchronously (off_policy_steps 0) the probe is every sampled row, whose trainer
+log-probs PPO computes anyway as its old log-probs; off-policy, the sampled rows are older than
+the trainer's weights, so a few rows sampled right after the sync are rescored instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from rlflow.engine.backend import dist
 from rlflow.engine.backend.runtime import TrainEngine
 from rlflow.engine.config.execution import RolloutConfig
-from rlflow.engine.rollout.generate import RolloutBatch
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.faults import fault_point
+from rlflow.engine.rollout.generate import RolloutBatch, batched_logprobs
+from rlflow.engine.rollout.lookahead import Lookahead, SampledStep, StepPlan
+from rlflow.engine.seeds import step_seed
+from rlflow.engine.telemetry.phases import add_phases
 from rlflow.engine.rollout.weight_sync import check_weight_sync, weights_fingerprint
 
 
@@ -30,6 +38,11 @@ class RolloutService:
     tokenizer: Any = None
     trainer_fingerprint: str | None = None  # at the last sync (rank 0)
     worker_fingerprint: str | None = None
+    lookahead: Lookahead | None = None  # off_policy_steps > 0, rank 0: the steps sampled ahead
+    plan: Callable[[int], StepPlan] | None = None  # off_policy_steps > 0: what each step samples
+    version: int = 0  # the policy version the worker holds (completed training steps)
+    taken: tuple[int, SampledStep] | None = None  # the last step's samples (a step run again reuses them)
+    worker_idle_s: float = 0.0  # the worker's idle seconds, cumulative, at the last report
 
     @classmethod
     def start(
@@ -40,10 +53,12 @@ class RolloutService:
         actor: TrainEngine,
         log_path: str | None,
         cuda_visible_devices: str | None = None,
+        ahead: AheadStart | None = None,
     ):
         """Start the worker on rank 0 (on `cuda_visible_devices`: placement.rollout) and send it
-        the actor's current weights (a resumed actor differs from `model_dir`). A collective
-        under ZeRO-3."""
+        the actor's current weights (a resumed actor differs from `model_dir`). With
+        cfg.off_policy_steps > 0, `ahead` says what each step samples and where the run stands.
+        A collective under ZeRO-3."""
         client = None
         if dist.is_main():
             from rlflow.engine.rollout.server import RolloutClient
@@ -53,38 +68,75 @@ class RolloutService:
                 model_dir,
                 python=cfg.vllm_python if cfg.server_backend == "vllm" else None,
                 startup_timeout_s=cfg.startup_timeout_s,
+                threads=cfg.threads,
                 response_timeout_s=cfg.response_timeout_s,
                 tokenizer=tokenizer,
                 log_path=log_path,
                 cuda_visible_devices=cuda_visible_devices,
             )
         service = cls(cfg, client, tokenizer)
-        service.sync(actor)
+        if cfg.off_policy_steps:
+            if ahead is None:
+                raise ValueError("rollout.off_policy_steps > 0 needs the step plan (AheadStart)")
+            service.plan, service.version = ahead.plan, ahead.version
+            if client is not None:
+                buffer = Lookahead.buffer_from(ahead.buffer)
+                k, last = cfg.off_policy_steps, ahead.last_step
+                service.lookahead = Lookahead(client, k, ahead.plan, last, ahead.version, buffer)
+        version = ahead.version if ahead is not None else 0
+        service.sync(actor, version, version)
         return service
 
+    @property
+    def checks_batches(self) -> bool:
+        """Whether each sampled batch is the sync guard's probe: synchronous sampling, where the
+        worker sampled with the very weights the trainer scores it with."""
+        return not self.cfg.off_policy_steps
+
     def sample_chunks(
-        self, chunks: Sequence[tuple[int, Sequence[Sequence[int]], int]], params: SamplingParams
+        self, chunks: Sequence[tuple[int, Sequence[Sequence[int]], int]], params: SamplingParams, step: int = 0
     ) -> dict[int, RolloutBatch]:
         """chunks: (chunk index, prompts, seed) of the whole step, the same list on every rank.
-        Returns this rank's chunks (index c with c % world == rank) as RolloutBatches."""
+        Returns this rank's chunks (index c with c % world == rank) as RolloutBatches. Off-policy,
+        the samples are the lookahead's for `step` (sampled to the same plan, by an older version)."""
         from rlflow.engine.rollout.served import build_rollout_batch
         from rlflow.engine.rollout.server import Generation
 
-        sampled: list[list[list[int]]] = []
-        logprobs: list[list[list[float]]] = []
-        if self.client is not None:
-            for _, prompts, seed in chunks:
-                generation = self.client.generate(prompts, params, seed)
-                sampled.append(generation.response_ids)
-                logprobs.append(generation.logprobs)
-        if dist.world_size() > 1:  # rank 0 hands every rank the token ids of all chunks
-            sampled, logprobs = dist.all_gather_json([sampled, logprobs] if dist.is_main() else None)[0]
+        if self.cfg.off_policy_steps:
+            version, sampled, logprobs = self._take(step)
+        else:
+            version, sampled, logprobs = self.version, [], []
+            if self.client is not None:
+                for _, prompts, seed in chunks:
+                    generation = self.client.generate(prompts, params, seed)
+                    sampled.append(generation.response_ids)
+                    logprobs.append(generation.logprobs)
+            if dist.world_size() > 1:  # rank 0 hands every rank the token ids of all chunks
+                sampled, logprobs = dist.all_gather_json([sampled, logprobs] if dist.is_main() else None)[0]
+        if len(sampled) != len(chunks):
+            raise RuntimeError(f"step {step}: the worker returned {len(sampled)} chunks for {len(chunks)} requested")
         mine: dict[int, RolloutBatch] = {}
         for (c, prompts, _), ids, lps in zip(chunks, sampled, logprobs):
             if c % dist.world_size() != dist.rank():
                 continue
-            mine[c] = build_rollout_batch(self.tokenizer, prompts, Generation(ids, lps), params.max_new_tokens)
+            mine[c] = build_rollout_batch(self.tokenizer, prompts, Generation(ids, lps), params.max_new_tokens, version)
         return mine
+
+    def _take(self, step: int) -> tuple[int, list, list]:
+        """Step `step`'s samples from the lookahead (rank 0), on every rank: (version, ids, log-probs)."""
+        if self.taken is not None and self.taken[0] == step:  # the step runs again (reward fallback)
+            taken = self.taken[1]
+        elif self.lookahead is not None:
+            waited = self.lookahead.waited_s
+            taken = self.lookahead.take(step)
+            add_phases({"timing_s/wait_rollout": self.lookahead.waited_s - waited})
+        else:
+            taken = None
+        if dist.world_size() > 1:
+            data = dist.all_gather_json(taken.to_json() if taken is not None else None)[0]
+            taken = SampledStep.from_json(data)
+        self.taken = (step, taken)
+        return taken.version, [ids for ids, _ in taken.chunks], [lps for _, lps in taken.chunks]
 
     def check(self, batch: RolloutBatch, trainer_logprobs: torch.Tensor) -> tuple[float, float, float]:
         """Guard one chunk: the trainer's log-probs [b, R] of the worker's samples (PPO's old
@@ -113,24 +165,108 @@ class RolloutService:
             "rollout/logprob_diff_max": worst,
         }
 
-    def sync(self, actor: TrainEngine) -> dict[str, float]:
-        """Send the actor's weights to the worker; record both fingerprints. A collective under ZeRO-3."""
+    def sync(self, actor: TrainEngine, version: int, step: int = 0) -> dict[str, float]:
+        """Send the actor's weights (policy version `version`) to the worker; record both
+        fingerprints; off-policy, first collect what the worker sampled ahead, then probe the new
+        weights. A collective under ZeRO-3."""
+        metrics: dict[str, float] = {}
+        if self.lookahead is not None:  # the worker finishes the steps ahead with the old weights
+            waited = self.lookahead.waited_s
+            metrics["timing_s/gen"] = timed_call(self.lookahead.drain)
+            metrics["timing_s/wait_rollout"] = self.lookahead.waited_s - waited
         started = time.monotonic()
-        params = actor.named_full_parameters()
+        params = _fault_after_first(actor.named_full_parameters(), step)
         if self.client is None:
             for _ in params:  # ZeRO-3: every rank takes part in each parameter's gather
                 pass
             if self.cfg.check_fingerprint:
                 for _ in actor.named_full_parameters():
                     pass
-            return {}
-        stats = self.client.update_weights(params, self.cfg.bucket_mb)
-        metrics = {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
-        if self.cfg.check_fingerprint:
-            self.trainer_fingerprint = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)
-            self.worker_fingerprint = self.client.fingerprint()
+        else:
+            stats = self.client.update_weights(params, self.cfg.bucket_mb)
+            metrics |= {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
+            if self.cfg.check_fingerprint:
+                trainer = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)
+                self.trainer_fingerprint = trainer
+                self.worker_fingerprint = self.client.fingerprint()
+        self.version = version
+        if self.lookahead is not None:
+            self.lookahead.version = version
+        if self.cfg.off_policy_steps:
+            metrics |= self._probe(actor, step)
         return metrics
+
+    def _probe(self, actor: TrainEngine, step: int) -> dict[str, float]:
+        """The guard of an off-policy sync: the worker samples `probe_rows` prompts of the next
+        step's plan with the weights just sent, the trainer rescores them under the same version.
+        Raises WeightSyncError; returns rollout/logprob_diff_mean and _max, timing_s/sync_probe."""
+        from rlflow.engine.rollout.served import build_rollout_batch
+        from rlflow.engine.rollout.server import Generation
+
+        started = time.monotonic()
+        plan = self.plan(step + 1)
+        _, prompts, seed = plan.chunks[0]
+        prompts = prompts[: self.cfg.probe_rows]
+        params = dataclasses.replace(plan.params, max_new_tokens=min(plan.params.max_new_tokens, PROBE_TOKENS))
+        sampled = None
+        if self.client is not None:
+            generation = self.client.generate(prompts, params, step_seed(seed, PROBE_STREAM))
+            sampled = [generation.response_ids, generation.logprobs]
+        if dist.world_size() > 1:
+            sampled = dist.all_gather_json(sampled)[0]
+        batch = build_rollout_batch(self.tokenizer, prompts, Generation(*sampled), params.max_new_tokens)
+        with torch.no_grad():
+            trainer_logprobs = batched_logprobs(actor.forward, batch, params.temperature)
+        parts = [self.check(batch, trainer_logprobs)]
+        return self.metrics(parts) | {"timing_s/sync_probe": time.monotonic() - started}
+
+    def idle_metrics(self) -> dict[str, float]:
+        """timing_s/wait_train: seconds the worker sat idle since the last call (rank 0's view)."""
+        if self.client is None:
+            return {}
+        idle, self.worker_idle_s = self.client.worker_idle_s - self.worker_idle_s, self.client.worker_idle_s
+        return {"timing_s/wait_train": idle}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (rank 0): the samples of every step not yet trained on, the one
+        taken but not trained on too (a pause before the update commits its previous step)."""
+        if self.lookahead is None:
+            return {}
+        self.lookahead.drain()
+        state = self.lookahead.state_dict()
+        if self.taken is not None and self.taken[0] > self.version:
+            state[str(self.taken[0])] = self.taken[1].to_json()
+        return dict(sorted(state.items(), key=lambda item: int(item[0])))
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+
+
+# The probe samples short continuations: the guard compares log-probs, not whole answers.
+PROBE_TOKENS = 16
+PROBE_STREAM = 9  # the probe's seed stream, apart from the step's chunks
+
+
+@dataclass(frozen=True)
+class AheadStart:
+    """Where an off-policy run stands when its worker starts."""
+
+    plan: Callable[[int], StepPlan]  # step -> what the worker samples for it
+    last_step: int  # nothing past it is sampled
+    version: int  # the actor's version: completed training steps (the resumed step)
+    buffer: dict[str, Any]  # Lookahead.state_dict() of the resumed checkpoint ({} when fresh)
+
+
+def timed_call(fn: Callable[[], Any]) -> float:
+    started = time.monotonic()
+    fn()
+    return time.monotonic() - started
+
+
+def _fault_after_first(params: Iterator[tuple[str, torch.Tensor]], step: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters, with the kill point "weight_sync" armed after the first one is sent."""
+    for index, item in enumerate(params):
+        if index == 1:
+            fault_point("ppo", "weight_sync", step)
+        yield item

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from rlflow.engine.backend.cpu_memory import keep_freed_memory
 from rlflow.engine.errors import RlflowError
+from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout.weight_sync import DTYPES, TensorEntry, copy_tensor, unpack_bucket, weights_fingerprint
 
 MAGIC = b"RLF1"
@@ -269,6 +270,8 @@ class WorkerSession:
         self.staging: Staging | None = None
         self.inline = torch.empty(0, dtype=torch.uint8)  # reused receive buffer for inline buckets
         self.buckets = self.tensors = self.bytes = 0
+        self.generations = 0  # generate requests handled: the kill point "rollout:generate:<n>"
+        self.idle_s = 0.0  # seconds between sending a reply and the next request arriving
 
     def payload_buffer(self, n: int) -> memoryview:
         if self.inline.numel() < n:
@@ -278,6 +281,8 @@ class WorkerSession:
     def handle(self, header: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | None]:
         op = header.get("op")
         if op == "generate":
+            self.generations += 1
+            fault_point("rollout", "generate", self.generations)
             start = time.monotonic()
             result = self.backend.generate(GenerateRequest.from_json(header))
             seconds = time.monotonic() - start
@@ -326,12 +331,16 @@ class WorkerSession:
         return {"ok": True, "index": header.get("index")}
 
     def serve(self) -> None:
+        """Answer requests in order until the trainer leaves. Every reply carries "idle_s": the
+        worker's idle seconds so far (the time the trainer kept it waiting, timing_s/wait_train)."""
         while True:
+            waiting = time.monotonic()
             try:
                 header, payload = recv_message(self.sock, self.payload_buffer)
             except PeerClosed:
                 log.info("trainer closed the connection; exiting")
                 return
+            self.idle_s += time.monotonic() - waiting
             try:
                 reply, out = self.handle(header, payload)
             except RequestError as exc:
@@ -340,7 +349,7 @@ class WorkerSession:
                 log.exception("request %r failed", header.get("op"))
                 reply, out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, None
             try:
-                send_message(self.sock, reply, out)
+                send_message(self.sock, reply | {"idle_s": self.idle_s}, out)
             except OSError:  # broken pipe: the trainer died while we worked
                 log.info("trainer went away before the %r reply; exiting", header.get("op"))
                 return

@@ -101,12 +101,14 @@ def save_checkpoint(
     meta: dict[str, Any],
     consolidate: bool,
     protect: set[int] | frozenset[int] = frozenset(),
+    files: dict[str, Any] | None = None,
 ) -> str:
     """Commit one step from all ranks (a collective: every rank calls it).
 
     Each rank writes its optimizer shard of every engine; with `consolidate`, rank 0 also writes
     each model as an HF directory (safetensors) under its prefix; then rank 0 writes the training
-    state and the manifest, the commit point. `engines`: prefix -> (engine, tokenizer or None).
+    state and the manifest, the commit point. `engines`: prefix -> (engine, tokenizer or None);
+    `files`: further JSON files of rank 0's state (name -> value), committed with the step.
     """
     rank, world = dist.rank(), dist.world_size()
     with ctx.store.writer(step) if dist.is_main() else contextlib.nullcontext() as writer:
@@ -136,6 +138,8 @@ def save_checkpoint(
                     writer.adopt(name, record)
             fault_point(ctx.stage, "ckpt_files", step)
             writer.write_bytes(STATE_FILE, state_json(engines_meta))
+            for name, value in (files or {}).items():
+                writer.write_json(name, value)
             writer.meta.update(
                 meta,
                 identity=ctx.identity,

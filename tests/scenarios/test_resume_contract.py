@@ -17,12 +17,10 @@ import pytest
 
 from conftest import small_config_tree
 from helpers.stage_ctx import make_call
-from helpers.stage_worker import finish_worker, start_worker
+from helpers.stage_worker import final_files, finish_worker, stable, start_worker
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.faults import KILLED_EXIT_CODE
 from rlflow.engine.stages.worker import StageCall
-
-VOLATILE = ("timing_s/", "perf/", "checkpoint/")
 
 # stage -> the kill points its chain goes through, in order (RLFLOW_FAULT "<stage>:<event>:<step>").
 # Checkpoints every 2 steps; consolidated (whole HF model) at 4 and at the end.
@@ -63,19 +61,6 @@ def stage_call(stage: str, root: Path, assets: Path, trained) -> StageCall:
         },
     }[stage]
     return make_call(root, stage, **inputs)
-
-
-def final_files(store_url: str) -> dict[str, str]:
-    """{file name: sha256} of the stage's final checkpoint."""
-    store = CheckpointStore(store_url)
-    final = store.final()
-    assert final is not None, f"{store_url} has no final.json"
-    store.verify(final["step"])
-    return {name: entry["sha256"] for name, entry in store.manifest(final["step"])["files"].items()}
-
-
-def stable(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(VOLATILE)}
 
 
 @pytest.mark.parametrize("stage", list(KILL_CHAINS))

@@ -33,6 +33,7 @@ from rlflow.engine.rollout.generate import (
     pad_responses,
 )
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.rollout.lookahead import chunk_spans
 from rlflow.engine.rollout.service import RolloutService
 from rlflow.engine.seeds import step_seed
 from rlflow.engine.telemetry.phases import add_phases, timed
@@ -217,6 +218,11 @@ def _gather_rollout(local: RolloutBatch, n: int, generate_batch: int, pad: int) 
         prompt_width=input_ids.shape[1] - response_mask.shape[1],
         response_texts=tuple(dist.gather_chunked_list(local.response_texts, n, generate_batch)),
         sampled_logprobs=None if local.sampled_logprobs is None else gather(local.sampled_logprobs),
+        sampled_versions=(
+            None
+            if local.sampled_versions is None
+            else torch.tensor(dist.gather_chunked_list(local.sampled_versions.tolist(), n, generate_batch))
+        ),
     )
 
 
@@ -240,11 +246,8 @@ def sample_and_score(
     pad = models.tokenizer.pad_token_id
     served: dict[int, RolloutBatch] | None = None
     if models.rollout is not None:
-        n_chunks = -(-len(prompts) // generate_batch)
-        spans = [
-            (c, prompts[c * generate_batch : (c + 1) * generate_batch], step_seed(seed, c)) for c in range(n_chunks)
-        ]
-        served = timed("timing_s/gen", lambda: models.rollout.sample_chunks(spans, params))
+        spans = chunk_spans(prompts, seed, generate_batch)
+        served = timed("timing_s/gen", lambda: models.rollout.sample_chunks(spans, params, step))
     batches, scored, checks, submitted = [], [], [], []
     reward = models.reward
     frozen = [models.scoring.reference, models.scoring.reward_model]
@@ -269,7 +272,7 @@ def sample_and_score(
             if real:
                 batches.append(batch)
                 scored.append(parts)
-                if models.rollout is not None:  # PPO's old log-probs double as the weight-sync probe
+                if models.rollout is not None and models.rollout.checks_batches:  # old log-probs: the sync probe
                     checks.append(models.rollout.check(batch, parts[0]))
             fault_point("ppo", "rollout", step)
         if reward is not None:  # a failed reward source raises here, on every rank alike
@@ -277,7 +280,7 @@ def sample_and_score(
                 collected = timed("timing_s/reward", lambda: reward.collect(handle, rows))
                 parts[3] = torch.cat([parts[3], collected], 1)
             reward.settle()
-    if models.rollout is not None:
+    if models.rollout is not None and models.rollout.checks_batches:
         add_phases(models.rollout.metrics(checks))
     n = len(prompts)
     batch = _gather_rollout(merge_rollouts(batches, pad), n, generate_batch, pad)

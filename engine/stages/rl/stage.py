@@ -29,7 +29,7 @@ from rlflow.engine.backend.runtime import OptimSpec, Runtime
 from rlflow.engine.stages.breaker import PPOGuards, PPOSafety, paused_outcome
 from rlflow.engine.stages.context import Breach
 from rlflow.engine.errors import RewardSourceError
-from rlflow.engine.rollout.service import RolloutService
+from rlflow.engine.rollout.service import AheadStart, RolloutService
 from rlflow.engine.models.loading import (
     disable_dropout,
     load_policy,
@@ -40,7 +40,7 @@ from rlflow.engine.models.loading import (
 from rlflow.engine.stages.rl.experience import Objective, PPOModels
 from rlflow.engine.models.lora import AdaptersOffView, lora_metrics
 from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
-from rlflow.engine.stages.rl.step import make_controller, ppo_step, run_evaluation
+from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan, run_evaluation
 from rlflow.engine.backend.runtime import TrainEngine
 from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
 from rlflow.engine.stages.context import StageContext, StageOutcome
@@ -52,6 +52,8 @@ from rlflow.engine.stages.lifecycle import (
 from rlflow.engine.seeds import step_seed
 
 log = logging.getLogger(__name__)
+
+ROLLOUT_BUFFER_FILE = "rollout_buffer.json"  # rollout.off_policy_steps > 0: the steps sampled ahead
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
         fallback = inputs.guards.fallback_rule
         source = build_reward_source(inputs.reward, models.scoring, fallback, pool, ctx.runtime, inputs.model)
         safety = PPOSafety(inputs.guards, ctx.label, saved_guards, resume, controller, source)
-        service = _start_rollout_service(ctx, inputs, models)  # after the resume: it takes the restored actor
+        service = _start_rollout_service(ctx, inputs, models, prompt_sets[0], resume)  # takes the restored actor
         models = dataclasses.replace(models, reward=source, rollout=service)
         run = PPORun(ctx, models, inputs, prompt_sets, RLStart(resume, changed, controller, state, safety))
         end = run_stage_loop(ctx, guard, run, resume or 0)
@@ -195,13 +197,21 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
     return finish(ctx, step, summary, resume, changed)
 
 
-def _start_rollout_service(ctx: StageContext, inputs: RLStageInputs, models: PPOModels) -> RolloutService | None:
-    """rollout.mode=server: the sampling worker, started from the actor's current weights."""
+def _start_rollout_service(
+    ctx: StageContext, inputs: RLStageInputs, models: PPOModels, prompts: PromptSet, resume: int | None
+) -> RolloutService | None:
+    """rollout.mode=server: the sampling worker, started from the actor's current weights (policy
+    version `resume`), with the steps a resumed off-policy run had sampled ahead."""
     if inputs.rollout.mode != "server":
         return None
     log_path = os.path.join(tempfile.gettempdir(), f"rlflow-rollout-{ctx.identity[:12]}-rank{dist.rank()}.log")
-    policy, devices = inputs.paths.policy, inputs.rollout_devices
-    return RolloutService.start(inputs.rollout, policy, models.tokenizer, models.actor, log_path, devices)
+    policy, devices, cfg = inputs.paths.policy, inputs.rollout_devices, inputs.rollout
+    buffer = {}
+    if resume is not None and cfg.off_policy_steps and dist.is_main():
+        buffer = ctx.store.read_json(resume, ROLLOUT_BUFFER_FILE)
+    plan = rollout_plan(prompts, inputs.ppo, inputs.objective, ctx.seed, ctx.round_index, cfg.generate_batch)
+    ahead = AheadStart(plan, inputs.ppo.steps, resume or 0, buffer)
+    return RolloutService.start(cfg, policy, models.tokenizer, models.actor, log_path, devices, ahead)
 
 
 @dataclass(frozen=True)
@@ -321,6 +331,9 @@ def _commit(
     engines = {"model": (models.actor, models.tokenizer)}
     if models.critic is not None:
         engines["critic"] = (models.critic, None)
+    files = {}
+    if models.rollout is not None and models.rollout.cfg.off_policy_steps:  # the batches sampled ahead
+        files[ROLLOUT_BUFFER_FILE] = models.rollout.state_dict()
     return save_checkpoint(
         ctx,
         step,
@@ -333,6 +346,7 @@ def _commit(
         },
         whole,
         protect={state.best_step} if state.best_step else set(),
+        files=files,
     )
 
 

@@ -9,6 +9,7 @@ between them.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,13 +35,17 @@ from rlflow.engine.stages.rl.experience import (
     sample_and_score,
 )
 from rlflow.engine.models.loading import token_logprobs, token_values
+from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout.generate import RolloutBatch
+from rlflow.engine.rollout.lookahead import StepPlan, chunk_spans, staleness_metrics
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.seeds import step_seed
 from rlflow.engine.telemetry.phases import add_phases, collect_phases, timed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from rlflow.engine.data.records import PromptRecord
 
 
 def actor_forward(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,15 +251,9 @@ def ppo_step(
         single = single_pass_possible(models, cfg, update_actor, objective.group_size)
 
         def sample(attempt: int) -> ScoredRollout:
-            # Try 0 draws today's prompts and seed; a further try of dynamic sampling its own.
-            extra = (attempt,) if attempt else ()
-            index = batch_indices(len(prompts.token_ids), cfg.rollout_batch, step, seed, round_index, 3, *extra)
-            index = [i for i in index for _ in range(objective.group_size)]
-            draw_seed = step_seed(seed, round_index, step, 4, *extra)
-            rows = [prompts.token_ids[i] for i in index]
-            records = [prompts.records[i] for i in index]
+            draw = step_draw(prompts, cfg.rollout_batch, objective.group_size, step, seed, round_index, attempt)
             return sample_and_score(
-                models, objective.sampling, rows, draw_seed, generate_batch, step, records, from_update=single
+                models, objective.sampling, draw.rows, draw.seed, generate_batch, step, draw.records, from_update=single
             )
 
         sampled_metrics: dict[str, float] = {}
@@ -263,6 +262,10 @@ def ppo_step(
         else:
             pad, tries = models.tokenizer.pad_token_id, objective.dynamic_sampling_max_tries
             rollout, sampled_metrics = sample_informative(sample, objective, cfg.rollout_batch, tries, pad)
+        if rollout.batch.sampled_versions is not None:  # asserts the bound on every row trained on
+            bound = models.rollout.cfg.off_policy_steps
+            sampled_metrics |= staleness_metrics(rollout.batch.sampled_versions, step - 1, bound)
+        fault_point("ppo", "batch_received", step)
         coef = kl_controller.value
         if single:
             exp, update_metrics = single_pass_update(models, rollout, cfg, coef, step, objective)
@@ -275,17 +278,56 @@ def ppo_step(
         metrics |= sampled_metrics
         if models.reward is not None:
             metrics |= models.reward.metrics
-        if models.rollout is not None:  # the worker samples the next step with the updated actor
-            add_phases(models.rollout.sync(models.actor))
+        if models.rollout is not None:  # the worker samples the next step(s) with the updated actor
+            add_phases(models.rollout.sync(models.actor, step, step))
+            add_phases(models.rollout.idle_metrics())
         if not objective.kl_in_loss:  # with the KL in the loss its coefficient is fixed
             kl_controller.update(metrics["actor/kl"], exp.batch.input_ids.shape[0])
     timings["timing_s/step"] = time.monotonic() - started
-    # "other" is what no phase timed; the rollout worker's figures in the collection are not seconds.
-    phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k != "timing_s/step"]
+    # "other" is what no phase timed; the rollout worker's figures in the collection are not seconds,
+    # and the waits overlap the phases (the trainer's inside gen, the worker's in another process).
+    phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k not in NOT_PHASES]
     timings["timing_s/other"] = timings["timing_s/step"] - sum(phases)
     metrics.update(timings)
     metrics["perf/throughput"] = float(exp.batch.attention_mask.sum()) / timings["timing_s/step"]
     return metrics
+
+
+NOT_PHASES = ("timing_s/step", "timing_s/wait_rollout", "timing_s/wait_train")
+
+
+@dataclass(frozen=True)
+class StepDraw:
+    """The prompts one step samples: consecutive group_size copies of each drawn prompt."""
+
+    rows: list[tuple[int, ...]]  # token ids, B = rollout_batch x group_size
+    records: list[PromptRecord]  # the rows' prompt records (for rule and function rewards)
+    seed: int  # the sampling seed; chunk c of generate_batch rows is seeded (seed, c)
+
+
+def step_draw(
+    prompts: PromptSet, rollout_batch: int, group_size: int, step: int, seed: int, round_index: int, attempt: int = 0
+) -> StepDraw:
+    """What step `step` samples: a pure function of its arguments (the off-policy worker plans
+    steps ahead with it). Try 0 draws the step's prompts and seed; a further try of dynamic
+    sampling (`attempt` > 0) its own."""
+    extra = (attempt,) if attempt else ()
+    index = batch_indices(len(prompts.token_ids), rollout_batch, step, seed, round_index, 3, *extra)
+    index = [i for i in index for _ in range(group_size)]
+    rows = [prompts.token_ids[i] for i in index]
+    return StepDraw(rows, [prompts.records[i] for i in index], step_seed(seed, round_index, step, 4, *extra))
+
+
+def rollout_plan(
+    prompts: PromptSet, cfg: PPOConfig, objective: Objective, seed: int, round_index: int, generate_batch: int
+) -> Callable[[int], StepPlan]:
+    """step -> what the rollout worker samples for it: the step's draw, cut into generate requests."""
+
+    def plan(step: int) -> StepPlan:
+        draw = step_draw(prompts, cfg.rollout_batch, objective.group_size, step, seed, round_index)
+        return StepPlan(chunk_spans(draw.rows, draw.seed, generate_batch), objective.sampling)
+
+    return plan
 
 
 def make_controller(kl: KLConfig):

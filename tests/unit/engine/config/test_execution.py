@@ -69,3 +69,17 @@ def test_checkpoint_and_rollout_defaults_and_bounds():
     assert (RolloutConfig().mode, RolloutConfig().n) == ("colocated", 1)
     with pytest.raises(ValidationError):
         RolloutConfig(n=1025)
+
+
+def test_off_policy_steps_default_to_synchronous_and_need_a_rollout_worker():
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.errors import ConfigError
+
+    assert (RolloutConfig().off_policy_steps, RolloutConfig().threads) == (0, None)
+    with pytest.raises(ValidationError):
+        RolloutConfig(off_policy_steps=-1)
+    served = build_config({"rollout": {"mode": "server", "off_policy_steps": 2, "threads": 1}}, "t").rollout
+    assert (served.off_policy_steps, served.threads) == (2, 1)
+    fix = r"rollout.off_policy_steps=1 .* needs rollout.mode=server \(got colocated\); set rollout.mode=server"
+    with pytest.raises(ConfigError, match=fix):
+        build_config({"rollout": {"off_policy_steps": 1}}, "t")

@@ -50,6 +50,11 @@ def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets
         assert [v for _, v in served.series(key)] == pytest.approx(expected, abs=1e-4), key
     diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
     assert len(diffs) == STEPS and max(diffs) < 1e-4  # the guard ran every step and saw agreement
+    # The HF worker samples with the trainer's weights (k = 0): its log-probs are the behaviour
+    # policy's and the trainer's both, so rollout correction weighs every token 1.
+    assert all(abs(v - 1.0) < 1e-6 for _, v in served.series("rollout/is_weight_mean"))
+    assert all(abs(v - 1.0) < 1e-5 for _, v in served.series("rollout/is_weight_max"))
+    assert [v for _, v in served.series("rollout/staleness_max")] == [0.0] * STEPS
     assert len(served.series("timing_s/update_weights")) == STEPS
     assert all(v > 0 for _, v in served.series("rollout/sync_gb_per_s"))
 
@@ -62,10 +67,10 @@ def test_a_bad_sync_inside_the_ppo_loop_stops_the_stage(
 ):
     real_sync = RolloutService.sync
 
-    def faulty_sync(self, actor):
+    def faulty_sync(self, actor, version, step=0):
         if self.client is None or not hasattr(self, "_synced_once"):  # the first sync (at start) goes through
             self._synced_once = True
-            return real_sync(self, actor)
+            return real_sync(self, actor, version, step)
         if fault == "skip":
             return {}
         half = [(n, p) for i, (n, p) in enumerate(actor.named_full_parameters()) if i % 2 == 0]

@@ -4,6 +4,7 @@ fingerprint, errors sent back as replies and the loop ending on shutdown)."""
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -138,12 +139,16 @@ def test_the_loop_answers_errors_as_replies_and_ends_on_shutdown(pair, backend):
     thread.start()
     try:
         send_message(trainer, {"op": "dance"})
-        assert recv_message(trainer)[0] == {"ok": False, "error": "unknown op 'dance'"}
+        reply = recv_message(trainer)[0]
+        assert reply.pop("idle_s") >= 0 and reply == {"ok": False, "error": "unknown op 'dance'"}
+        time.sleep(0.2)  # the worker waits for the next request: idle time, reported with every reply
         send_message(trainer, REQUEST | {"op": "generate"})
         reply, payload = recv_message(trainer)
         assert reply["ok"] and payload.nbytes == sum(reply["lengths"]) * 12
+        assert reply["idle_s"] >= 0.2
         send_message(trainer, {"op": "shutdown"})
-        assert recv_message(trainer)[0] == {"ok": True}
+        reply = recv_message(trainer)[0]
+        assert reply.pop("idle_s") >= 0.2 and reply == {"ok": True}
     finally:
         thread.join(30)
     assert not thread.is_alive()
