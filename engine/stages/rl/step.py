@@ -186,13 +186,17 @@ def ppo_update(
 def single_pass_possible(models: PPOModels, cfg: PPOConfig, update_actor: bool, group_size: int = 1) -> bool:
     """Whether the update is one optimizer step per model over the whole batch in one forward:
     one epoch, one mini-batch, one micro-batch (no token budget to cut it), one process, samples
-    drawn here. Its forwards then run on exactly the weights that sampled, so they are the
-    sampling-time log-probs and values (PPO's ratio is exactly 1 there) and the two scoring
-    passes are skipped, not approximated."""
+    drawn here or off-policy. Its forwards then run on exactly the weights of the proximal policy
+    (the sampler's, or off-policy the trainer's before the update: the behaviour policy's gap is
+    the rollout correction's), so they are the old log-probs and values (PPO's ratio is exactly 1
+    there) and the two scoring passes are skipped, not approximated. A synchronous rollout worker
+    needs the old log-probs first: they are its weight-sync probe."""
     rows, runtime = cfg.rollout_batch * group_size, models.runtime
     if not (update_actor and cfg.epochs == 1 and cfg.mini_batch == cfg.rollout_batch and dist.world_size() == 1):
         return False
-    if models.rollout is not None or runtime.name != "torch" or runtime.cfg.max_tokens_per_microbatch is not None:
+    if models.rollout is not None and models.rollout.checks_batches:
+        return False
+    if runtime.name != "torch" or runtime.cfg.max_tokens_per_microbatch is not None:
         return False
     return len(runtime.micro_batches([1] * rows)) == 1
 

@@ -1,0 +1,161 @@
+"""One (size, algorithm) of bench/off_policy_bench.py, in its own process: rlflow's RL step under each
+rollout mode, one after the other on the same loaded models.
+
+    python bench/rlflow_off_policy_worker.py '<workload JSON>'     # normally started by off_policy_bench.py
+
+Modes, each `warmup` untimed steps then `updates` timed ones (steps/s = updates / their wall time):
+- sync_colocated: the trainer samples itself, on both cores (run.threads 2);
+- sync_server: an hf rollout worker samples synchronously, trainer and worker 2 threads each (they
+  take turns, so each may use both cores);
+- off_policy: rollout.off_policy_steps 1, trainer and worker 1 thread each (one core each);
+- off_policy_shared: the same with the trainer on 2 threads (it shares a core with the worker);
+- sync_slow and off_policy_slow: the faster sync mode and off_policy again with a reward function
+  that sleeps (bench/slow_judge.py, weight 0, one pool worker): half the faster sync mode's median
+  sampling time per batch, no CPU.
+The actor trains on through the modes (a worker gets its current weights when it starts); the
+workload's shapes never change (responses are always max_new_tokens long), so the timings compare.
+Prints one line `BENCH_JSON {...}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from bench_assets import emit_result
+from rlflow_grpo_worker import grpo_tree
+
+SYNC_MODES = {"sync_colocated": ("colocated", 0, 2, None), "sync_server": ("server", 0, 2, 2)}
+OFF_POLICY = ("server", 1, 1, 1)  # mode, off_policy_steps, trainer threads, worker threads
+OFF_POLICY_SHARED = ("server", 1, 2, 1)  # the trainer keeps both cores, the worker takes one of them
+
+
+def ppo_tree(work: dict) -> dict:
+    """The PPO bench's configuration (bench/rlflow_ppo_worker.py): one epoch, one mini-batch, a critic."""
+    batch = work["batch"]
+    ppo = {"rollout_batch": batch, "mini_batch": batch, "epochs": 1, "actor_lr": work["lr"], "critic_lr": work["lr"]}
+    return {
+        "ppo": ppo | {"whiten_advantages": True, "max_grad_norm": 1.0},
+        "kl": {"controller": "fixed", "coef": work["kl_coef"], "stop_above": None},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": work["max_new_tokens"]},
+        "rollout": {"generate_batch": batch},
+        "model": {"path": work["policy"], "dtype": "float32"},
+    }
+
+
+def mode_tree(work: dict, mode: str, k: int, worker_threads: int | None, row_delay_s: float) -> dict:
+    tree = grpo_tree(work) if work["algo"] == "grpo" else ppo_tree(work)
+    tree["rollout"] = tree["rollout"] | {"mode": mode, "off_policy_steps": k, "threads": worker_threads}
+    sources = [{"name": "rm", "type": "model"}]
+    if row_delay_s:
+        judge = {"name": "judge", "type": "function", "fn": "slow_judge:score", "weight": 0.0}
+        sources.append(judge | {"kwargs": {"delay_s": row_delay_s}})
+    tree["reward"] = {"sources": sources, "workers": 1, "timeout_s": 60.0}
+    return tree
+
+
+class Bench:
+    """The models, loaded once, and one run of steps per mode."""
+
+    def __init__(self, work: dict):
+        from rlflow.engine.backend.factory import make_runtime
+        from rlflow.engine.config.execution import EngineConfig
+        from rlflow.engine.config.schema import build_config
+        from rlflow.engine.data.records import load_prompts
+        from rlflow.engine.stages.evaluation import encode_prompt_set
+        from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
+
+        self.work = work
+        cfg = build_config(mode_tree(work, "colocated", 0, None, 0.0), "bench")
+        self.runtime = make_runtime(EngineConfig(precision="fp32"))
+        policy, rm = work["policy"], work["rm"]
+        critic = rm if work["algo"] == "ppo" else None
+        inputs = PPOInputs(policy, policy, policy, rm, (0.0, 1.0), critic)
+        self.models = load_ppo_models(inputs, cfg.model, cfg.ppo, lambda prompt, response, **f: 0.0, self.runtime)
+        rows = work["batch"] if work["algo"] == "ppo" else work["prompts_per_iter"]
+        records = load_prompts(work["prompts"])[:rows]
+        tokenizer = self.models.tokenizer
+        self.prompts, _, _ = encode_prompt_set(tokenizer, records, work["max_prompt_tokens"], "truncate", "bench")
+
+    def run(self, name: str, mode: str, k: int, threads: int, worker_threads: int | None, delay_s: float) -> dict:
+        """`warmup` + `updates` steps in one mode; delay_s: the slow judge's seconds per batch."""
+        from rlflow.engine.config.schema import build_config
+        from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
+        from rlflow.engine.rollout.service import AheadStart, RolloutService
+        from rlflow.engine.stages.rl.experience import Objective
+        from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan
+
+        work = self.work
+        torch.set_num_threads(threads)
+        steps = work["warmup"] + work["updates"]
+        probe = build_config(mode_tree(work, mode, k, worker_threads, 0.0), "bench")
+        rows = probe.ppo.rollout_batch * probe.rollout.n
+        cfg = build_config(mode_tree(work, mode, k, worker_threads, delay_s / rows), "bench")
+        objective, controller = Objective.of(cfg), make_controller(cfg.kl)
+        pool = start_reward_pool(cfg.reward)
+        source = build_reward_source(cfg.reward, self.models.scoring, None, pool, self.runtime, cfg.model)
+        service = None
+        if mode == "server":
+            plan = rollout_plan(self.prompts, cfg.ppo, objective, work["seed"], 0, cfg.rollout.generate_batch)
+            ahead = AheadStart(plan, steps, 0, {})
+            tokenizer, actor = self.models.tokenizer, self.models.actor
+            service = RolloutService.start(cfg.rollout, work["policy"], tokenizer, actor, None, None, ahead)
+        models = dataclasses.replace(self.models, rollout=service, reward=source)
+        walls, phases = [], []
+        try:
+            for step in range(1, steps + 1):
+                started = time.monotonic()
+                batch = cfg.rollout.generate_batch
+                metrics = ppo_step(models, controller, cfg.ppo, self.prompts, work["seed"], 0, step, batch, objective)
+                wall = time.monotonic() - started
+                check(name, step, k, metrics, work["max_new_tokens"])
+                if step > work["warmup"]:
+                    walls.append(wall)
+                    phases.append({key: v for key, v in metrics.items() if key.startswith("timing_s/")})
+        finally:
+            if service is not None:
+                service.close()
+            if pool is not None:
+                pool.close()
+        keys = sorted({key for p in phases for key in p})
+        return {
+            "name": name,
+            "steps_s": len(walls) / sum(walls),
+            "step_wall_s": walls,
+            "phases": {key: statistics.median(p.get(key, 0.0) for p in phases) for key in keys},
+            "threads": [threads, worker_threads],
+            "judge_delay_s": delay_s,
+        }
+
+
+def check(name: str, step: int, k: int, metrics: dict, new_tokens: int) -> None:
+    """Stop on a step that is not the workload: short responses, or samples staler than the mode."""
+    if metrics.get("response_length/mean") != new_tokens:
+        raise SystemExit(f"{name} step {step}: response_length/mean={metrics.get('response_length/mean')}")
+    stale = metrics.get("rollout/staleness_max", 0.0)
+    if stale != min(k, step - 1):
+        raise SystemExit(f"{name} step {step}: rollout/staleness_max={stale}, expected {min(k, step - 1)}")
+
+
+def main() -> None:
+    work = json.loads(sys.argv[1])
+    torch.manual_seed(work["seed"])
+    bench = Bench(work)
+    runs = {name: bench.run(name, *spec, 0.0) for name, spec in SYNC_MODES.items()}
+    runs["off_policy"] = bench.run("off_policy", *OFF_POLICY, 0.0)
+    runs["off_policy_shared"] = bench.run("off_policy_shared", *OFF_POLICY_SHARED, 0.0)
+    faster = max(SYNC_MODES, key=lambda name: runs[name]["steps_s"])
+    delay = 0.5 * runs[faster]["phases"]["timing_s/gen"]
+    runs["sync_slow"] = bench.run("sync_slow", *SYNC_MODES[faster], delay) | {"mode": faster}
+    runs["off_policy_slow"] = bench.run("off_policy_slow", *OFF_POLICY, delay)
+    ids = [list(t) for t in bench.prompts.token_ids]
+    emit_result(work, ids, {"side": "rlflow", "algo": work["algo"], "runs": runs, "faster_sync": faster})
+
+
+if __name__ == "__main__":
+    main()
