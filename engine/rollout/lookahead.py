@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.rollout.server import Generation
 from rlflow.engine.seeds import step_seed
 
 # (chunk index, prompts, seed): one generate request of a step
 ChunkSpan = tuple[int, Sequence[Sequence[int]], int]
+PROBE = -1  # the queue's step of a weight-sync probe request
 
 
 def chunk_spans(prompts: Sequence[Sequence[int]], seed: int, generate_batch: int) -> list[ChunkSpan]:
@@ -98,6 +100,7 @@ class Lookahead:
         self.partial: list[tuple[list[list[int]], list[list[float]]]] = []  # the queue head's chunks so far
         self.submitted: set[int] = set(self.buffer)
         self.waited_s = 0.0
+        self.probe: Generation | None = None  # the sync probe's samples, once collected
 
     def take(self, step: int) -> SampledStep:
         """Step `step`'s samples (removed from the buffer), after submitting every step up to step+k
@@ -110,6 +113,21 @@ class Lookahead:
                 raise RuntimeError(f"step {step}'s samples were never submitted to the rollout worker")
             self._collect_one()
         return self.buffer.pop(step)
+
+    def submit_probe(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> None:
+        """A generate request outside the plan (the weight-sync probe), answered in its turn."""
+        self.client.submit(prompts, params, seed)
+        self.queue.append((PROBE, 1))
+        self.probe = None
+
+    def collect_probe(self) -> Generation:
+        """The probe's samples (collecting the replies ahead of it first)."""
+        while self.probe is None:
+            if not any(step == PROBE for step, _ in self.queue):
+                raise RuntimeError("collect_probe() with no probe submitted")
+            self._collect_one()
+        probe, self.probe = self.probe, None
+        return probe
 
     def drain(self) -> None:
         """Collect everything submitted, so the worker is idle (before a weight update)."""
@@ -127,8 +145,12 @@ class Lookahead:
         started = time.monotonic()
         generation = self.client.collect()
         self.waited_s += time.monotonic() - started
-        self.partial.append((generation.response_ids, generation.logprobs))
         step, n_chunks = self.queue[0]
+        if step == PROBE:
+            self.queue.popleft()
+            self.probe = generation
+            return
+        self.partial.append((generation.response_ids, generation.logprobs))
         if len(self.partial) == n_chunks:
             self.queue.popleft()
             self.buffer[step] = SampledStep(self.version, self.partial)

@@ -43,6 +43,8 @@ class RolloutService:
     version: int = 0  # the policy version the worker holds (completed training steps)
     taken: tuple[int, SampledStep] | None = None  # the last step's samples (a step run again reuses them)
     worker_idle_s: float = 0.0  # the worker's idle seconds, cumulative, at the last report
+    probe: tuple[list, SamplingParams] | None = None  # off-policy: the probe sent after the last sync
+    probe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # its check's figures
 
     @classmethod
     def start(
@@ -167,8 +169,8 @@ class RolloutService:
 
     def sync(self, actor: TrainEngine, version: int, step: int = 0) -> dict[str, float]:
         """Send the actor's weights (policy version `version`) to the worker; record both
-        fingerprints; off-policy, first collect what the worker sampled ahead, then probe the new
-        weights. A collective under ZeRO-3."""
+        fingerprints; off-policy, first collect what the worker sampled ahead, and after them send
+        the probe of the new weights (`verify_sync`). A collective under ZeRO-3."""
         metrics: dict[str, float] = {}
         if self.lookahead is not None:  # the worker finishes the steps ahead with the old weights
             waited = self.lookahead.waited_s
@@ -193,32 +195,45 @@ class RolloutService:
         if self.lookahead is not None:
             self.lookahead.version = version
         if self.cfg.off_policy_steps:
-            metrics |= self._probe(actor, step)
+            self._submit_probe(step)
         return metrics
 
-    def _probe(self, actor: TrainEngine, step: int) -> dict[str, float]:
-        """The guard of an off-policy sync: the worker samples `probe_rows` prompts of the next
-        step's plan with the weights just sent, the trainer rescores them under the same version.
-        Raises WeightSyncError; returns rollout/logprob_diff_mean and _max, timing_s/sync_probe."""
+    def _submit_probe(self, step: int) -> None:
+        """The guard of an off-policy sync, sent right behind the weights: the worker samples
+        `probe_rows` prompts of step+1's plan with them, ahead of anything else; `verify_sync`
+        rescores them before the trainer's next update, when its weights are still these."""
+        plan = self.plan(step + 1)
+        _, prompts, seed = plan.chunks[0]
+        params = dataclasses.replace(plan.params, max_new_tokens=min(plan.params.max_new_tokens, PROBE_TOKENS))
+        self.probe = (list(prompts[: self.cfg.probe_rows]), params)
+        self.probe_metrics = {}
+        if self.lookahead is not None:
+            self.lookahead.submit_probe(self.probe[0], params, step_seed(seed, PROBE_STREAM))
+
+    def verify_sync(self, actor: TrainEngine) -> dict[str, float]:
+        """Off-policy, before the update: the trainer's log-probs of the probe the worker sampled
+        after the last sync, under the same weights (the actor is not updated since). Raises
+        WeightSyncError; returns rollout/logprob_diff_mean and _max (the same again if the step runs
+        again) and times timing_s/sync_probe. Synchronous: nothing (every batch is checked)."""
         from rlflow.engine.rollout.served import build_rollout_batch
         from rlflow.engine.rollout.server import Generation
 
+        if self.probe is None:
+            return dict(self.probe_metrics)
         started = time.monotonic()
-        plan = self.plan(step + 1)
-        _, prompts, seed = plan.chunks[0]
-        prompts = prompts[: self.cfg.probe_rows]
-        params = dataclasses.replace(plan.params, max_new_tokens=min(plan.params.max_new_tokens, PROBE_TOKENS))
-        sampled = None
-        if self.client is not None:
-            generation = self.client.generate(prompts, params, step_seed(seed, PROBE_STREAM))
+        (prompts, params), sampled = self.probe, None
+        if self.lookahead is not None:
+            generation = self.lookahead.collect_probe()
             sampled = [generation.response_ids, generation.logprobs]
         if dist.world_size() > 1:
             sampled = dist.all_gather_json(sampled)[0]
         batch = build_rollout_batch(self.tokenizer, prompts, Generation(*sampled), params.max_new_tokens)
         with torch.no_grad():
             trainer_logprobs = batched_logprobs(actor.forward, batch, params.temperature)
-        parts = [self.check(batch, trainer_logprobs)]
-        return self.metrics(parts) | {"timing_s/sync_probe": time.monotonic() - started}
+        self.probe = None
+        self.probe_metrics = self.metrics([self.check(batch, trainer_logprobs)])
+        add_phases({"timing_s/sync_probe": time.monotonic() - started})
+        return dict(self.probe_metrics)
 
     def idle_metrics(self) -> dict[str, float]:
         """timing_s/wait_train: seconds the worker sat idle since the last call (rank 0's view)."""

@@ -17,7 +17,7 @@ import torch
 from rlflow.engine.backend import dist
 from rlflow.engine.algorithms.advantages import compute_advantages
 from rlflow.engine.algorithms.dapo import overlong_penalty
-from rlflow.engine.algorithms.kl import compute_token_rewards, token_kl
+from rlflow.engine.algorithms.kl import behaviour_weighted_kl, compute_token_rewards, token_kl
 from rlflow.engine.algorithms.rollout_correction import correction_metrics, importance_weights, raw_importance_weights
 from rlflow.engine.algorithms.stats import explained_variance, masked_mean, masked_whiten
 from rlflow.engine.backend.runtime import Runtime, TrainEngine
@@ -66,6 +66,7 @@ class Objective:
     overlong_buffer: int | None = None  # DAPO's soft overlong penalty (tokens); None: off
     overlong_penalty: float = 1.0  # reward units, at the length limit
     dynamic_sampling_max_tries: int | None = None  # DAPO's dynamic sampling; None: off
+    off_policy: bool = False  # rollout.off_policy_steps > 0: samples come from an older policy
 
     @classmethod
     def of(cls, config: Config) -> Objective:
@@ -87,6 +88,7 @@ class Objective:
             overlong_buffer=config.reward.overlong_buffer,
             overlong_penalty=config.reward.overlong_penalty,
             dynamic_sampling_max_tries=algorithm.dynamic_sampling_max_tries if algorithm.dynamic_sampling else None,
+            off_policy=config.rollout.off_policy_steps > 0,
         )
 
     def shaped_scores(self, scores: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
@@ -360,8 +362,12 @@ def experience_metrics(
     sampler reported its log-probs, also the gap between it and the trainer (rollout/mismatch_kl,
     is_weight_*, masked_fraction, capped_fraction: engine/algorithms/rollout_correction.py)."""
     mask = exp.batch.response_mask
+    if objective.off_policy:  # the samples are an older policy's: weigh each token's k3 back
+        kl = behaviour_weighted_kl(exp.old_logprobs, exp.ref_logprobs, exp.batch.sampled_logprobs * mask)
+    else:
+        kl = token_kl(exp.old_logprobs, exp.ref_logprobs, "k3")
     metrics = {
-        "actor/kl": float(masked_mean(token_kl(exp.old_logprobs, exp.ref_logprobs, "k3"), mask)),
+        "actor/kl": float(masked_mean(kl, mask)),
         "actor/kl_coef": kl_coef,
         "critic/score/mean": float(exp.scores.mean()),
         "critic/score/max": float(exp.scores.max()),

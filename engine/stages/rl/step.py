@@ -269,6 +269,8 @@ def ppo_step(
         if rollout.batch.sampled_versions is not None:  # asserts the bound on every row trained on
             bound = models.rollout.cfg.off_policy_steps
             sampled_metrics |= staleness_metrics(rollout.batch.sampled_versions, step - 1, bound)
+        if models.rollout is not None:  # off-policy: the last weight sync's probe, before the weights move
+            sampled_metrics |= models.rollout.verify_sync(models.actor)
         fault_point("ppo", "batch_received", step)
         coef = kl_controller.value
         if single:

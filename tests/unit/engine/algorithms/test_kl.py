@@ -126,3 +126,19 @@ def test_k2_gradient_is_the_log_ratio_and_reference_gets_none():
     kl.token_kl(logp, ref, "k2").sum().backward()
     close(logp.grad, T([[0.5, -1.0]]))
     assert ref.grad is None
+
+
+def test_behaviour_weighted_kl_by_hand_and_unbiased_over_the_samplers_distribution():
+    old, ref, behaviour = torch.tensor([[-1.0, -5.0]]), torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.0, -2.0]])
+    out = kl.behaviour_weighted_kl(old, ref, behaviour)
+    # token 2: k3 = e^4 - 4 - 1 = 49.598..., weighed by pi/pi_behaviour = e^-3
+    assert out[0].tolist() == pytest.approx([0.0, (math.exp(4) - 5) * math.exp(-3)], rel=1e-6)
+    # Summed over every token the sampler can draw, weighted by its probability, it is KL(pi || ref)
+    # exactly, whatever the sampler; plain k3 under the sampler's draws is not.
+    generator = torch.Generator().manual_seed(0)
+    pi, ref_p, sampler = (torch.softmax(torch.randn(6, generator=generator) * 2, 0) for _ in range(3))
+    weighted = kl.behaviour_weighted_kl(pi.log()[None], ref_p.log()[None], sampler.log()[None])[0]
+    exact = float((pi * (pi.log() - ref_p.log())).sum())
+    assert float((sampler * weighted).sum()) == pytest.approx(exact, rel=1e-5)
+    plain = kl.token_kl(pi.log()[None], ref_p.log()[None], "k3")[0]
+    assert abs(float((sampler * plain).sum()) - exact) > 1e-2

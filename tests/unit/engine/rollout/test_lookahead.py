@@ -104,3 +104,19 @@ def test_chunk_spans_cut_prompts_and_seed_chunk_c_with_seed_c():
     spans = chunk_spans(prompts, 77, 2)
     assert [(c, list(p)) for c, p, _ in spans] == [(0, [(0,), (1,)]), (1, [(2,), (3,)]), (2, [(4,)])]
     assert [seed for _, _, seed in spans] == [step_seed(77, c) for c in range(3)]
+
+
+def test_a_probe_is_answered_in_its_turn_and_kept_apart_from_the_steps():
+    client = VersionedClient()
+    lookahead = Lookahead(client, 1, plan, 4, 0)
+    lookahead.take(1)  # step 2 in flight
+    with pytest.raises(RuntimeError, match="no probe submitted"):
+        lookahead.collect_probe()
+    lookahead.drain()
+    client.weights = lookahead.version = 1
+    lookahead.submit_probe([(9, 9)], PARAMS, 555)
+    sampled = lookahead.take(2)  # submits step 3 behind the probe; step 2 was buffered
+    assert sampled.version == 0 and lookahead.probe is None
+    probe = lookahead.collect_probe()
+    assert probe.response_ids == [[1, 555, 9, 9]]  # sampled first, by the weights just sent
+    assert lookahead.take(3).version == 1
