@@ -12,6 +12,7 @@ from rlflow.engine.algorithms import kl
 from rlflow.engine.algorithms.advantages import compute_gae_advantages
 from rlflow.engine.config.schema import load_config
 from rlflow.engine.config.kl import DEFAULT_ESTIMATOR, DEFAULT_KL_IN_LOSS, KLConfig, KLEstimator
+from rlflow.engine.config.execution import RolloutConfig
 from rlflow.engine.config.methods import ALGORITHMS, AlgorithmConfig, RewardConfig
 from rlflow.engine.config.sampling import SamplingConfig, SamplingParams
 from rlflow.engine.stages.rl.experience import Objective
@@ -119,7 +120,7 @@ def test_the_kl_section_resolves_where_the_kl_goes_and_its_estimator():
             "algorithm": AlgorithmConfig(name=name),
             "kl": KLConfig(**kl_keys),
             "sampling": SamplingConfig(temperature=0.7, max_new_tokens=9),
-            "rollout": types.SimpleNamespace(n=4),
+            "rollout": RolloutConfig(n=4),
             "reward": RewardConfig(),
         }
         return Objective.of(types.SimpleNamespace(**sections))
