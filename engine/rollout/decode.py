@@ -29,7 +29,7 @@ trajectory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -326,13 +326,16 @@ def decode(
     pad_id: int,
     seed: int,
     synced: bool = False,
+    interrupt: Callable[[], bool] | None = None,
 ) -> Decoded:
     """Sample up to `max_new_tokens` after left-padded prompts `ids` [B, P] (`attention` [B, P],
     1 on real tokens); temperature 0 is greedy. Rows end at their first id in `stop_ids`; the
     loop stops when every row (on every rank, when `synced`) has ended, so R <= max_new_tokens.
     The layer loop is this module's where `unsupported_reason` allows, the model's own forward
     otherwise; the draw is the same either way, so the two agree token for token up to float
-    rounding (a draw landing within ~1e-6 of a boundary)."""
+    rounding (a draw landing within ~1e-6 of a boundary). `interrupt`, asked after each token,
+    cuts the loop short when it returns True (a partial rollout: the unfinished rows are the
+    caller's to continue, under new weights), so R can be less with rows not ended."""
     batch, width = ids.shape
     device = next(model.parameters()).device
     ids, attention = ids.to(device), attention.to(device)
@@ -356,7 +359,7 @@ def decode(
         token = torch.where(done, torch.full_like(token, pad_id), token)
         tokens.append(token)
         done |= torch.isin(token, stops)
-        if step == max_new_tokens - 1 or _all_done(done, synced):
+        if step == max_new_tokens - 1 or _all_done(done, synced) or (interrupt is not None and interrupt()):
             break
         logits = steps.step(token, width + step)
     return Decoded(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,15 +91,16 @@ def sample_tokens(
     pad_id: int,
     seed: int,
     synced_gpus: bool = False,
+    interrupt: Callable[[], bool] | None = None,
 ) -> Decoded:
     """Responses [B, R] to left-padded prompts `ids` [B, P] and their log-probs under
     softmax(logits / T) (engine/rollout/decode.py); `seed` fixes the draw exactly. `synced_gpus`: ZeRO-3's
-    lockstep (Runtime.generate_kwargs)."""
+    lockstep (Runtime.generate_kwargs); `interrupt`: decode's, a partial rollout's cut."""
     was_training = policy.training
     policy.eval()
     try:
         sampling = (params.temperature, params.top_p, params.max_new_tokens)
-        return decode(policy, ids, attention, *sampling, stop_ids, pad_id, seed, synced_gpus)
+        return decode(policy, ids, attention, *sampling, stop_ids, pad_id, seed, synced_gpus, interrupt)
     finally:
         policy.train(was_training)
 

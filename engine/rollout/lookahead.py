@@ -150,6 +150,12 @@ class Lookahead:
             self.queue.popleft()
             self.probe = generation
             return
+        held = {v for row in generation.versions or [] for v in row}
+        if held - {self.version}:  # the worker's own tag: the weights it sampled with
+            raise RuntimeError(
+                f"step {step}: the rollout worker sampled with policy version(s) {sorted(held)}, the schedule"
+                f" expected {self.version}: a weight update reached it out of turn"
+            )
         self.partial.append((generation.response_ids, generation.logprobs))
         if len(self.partial) == n_chunks:
             self.queue.popleft()

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn, final
@@ -36,7 +37,7 @@ from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.worker import GenerateRequest, PeerClosed, recv_message, send_message
 from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket
 
-WORKER_MODULES = {"hf": "rlflow.engine.rollout.worker", "vllm": "rlflow.engine.rollout.worker_vllm"}
+WORKER_MODULES = {"hf": "rlflow.engine.rollout.worker_session", "vllm": "rlflow.engine.rollout.worker_vllm"}
 POLL_S = 0.2  # how often a waiting client checks that the worker is still alive
 LOG_TAIL_LINES = 6
 MB = 1 << 20
@@ -63,6 +64,9 @@ class Generation(NamedTuple):
 
     response_ids: list[list[int]]
     logprobs: list[list[float]]  # log softmax(logits / T) of each sampled token, by the worker
+    # the policy version that sampled each token (several in a row a partial rollout continued
+    # across weight updates); None where the reply did not say
+    versions: list[list[int]] | None = None
 
 
 class _Staging:
@@ -111,7 +115,9 @@ class RolloutClient:
         self._staging: _Staging | None = None
         self._inline = torch.empty(0, dtype=torch.uint8)
         self._failed: str | None = None
-        self._outstanding = 0  # generate requests sent, replies not yet read
+        self._outstanding = 0  # generate requests sent, replies not yet collected
+        self._ready: deque[tuple[dict[str, Any], memoryview]] = deque()  # replies read while awaiting another
+        self._next_id = 0
         self.response_timeout_s: float | None = None  # longest wait for one reply; None: no limit
         self.worker_idle_s = 0.0  # the worker's idle seconds so far, from its latest reply
         self._own_log = False  # a temp log we created: deleted by a clean close
@@ -309,10 +315,14 @@ class RolloutClient:
                     " legitimately takes longer"
                 )
 
-        try:
-            reply, payload = recv_message(self.sock, on_idle=waiting)
-        except (PeerClosed, OSError):
-            self._died(f"handling {op!r}")
+        while True:
+            try:
+                reply, payload = recv_message(self.sock, on_idle=waiting)
+            except (PeerClosed, OSError):
+                self._died(f"handling {op!r}")
+            if op == "generate" or reply.get("op") != "generate":
+                break
+            self._ready.append((reply, payload))  # a generation finished while a control request waited
         self.worker_idle_s = float(reply.get("idle_s", self.worker_idle_s))
         if not reply.get("ok"):
             raise RolloutWorkerError(f"rollout worker {self.backend} refused {op!r}: {reply.get('error')}")
@@ -324,7 +334,8 @@ class RolloutClient:
         return self._reply(header["op"])
 
     def _require_idle(self, op: str) -> None:
-        # The worker answers in order: a reply read now would be a generation's, not this request's.
+        # The worker serves control requests before queued generations: sent now, the weights would
+        # change under samples submitted earlier (what asynchronous sampling will want, deliberately).
         if self._outstanding:
             raise RolloutWorkerError(f"{op!r} sent with {self._outstanding} generation(s) outstanding; collect() them first")
 
@@ -338,9 +349,20 @@ class RolloutClient:
         self.submit(prompts, params, seed)
         return self.collect()
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> None:
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+        *,
+        priority: bool = False,
+        interruptible: bool = False,
+    ) -> int:
         """Send a generate request and return at once; the worker samples with the weights it holds
-        when it reaches the request (requests are handled in order), `collect` reads the samples."""
+        when it reaches the request (generations are handled in order, a `priority` one before the
+        others), `collect` reads the samples. `interruptible`: a weight update arriving mid-way
+        applies at the next token, the rest of the rows sampled with the new weights. Returns the
+        request's id."""
         request = GenerateRequest(
             [[int(t) for t in p] for p in prompts],
             params.temperature,
@@ -350,15 +372,28 @@ class RolloutClient:
             list(stop_token_ids(self.tokenizer)),
             int(self.tokenizer.pad_token_id),
         )
-        self._send(request.to_json())
+        flags = {"priority": True} if priority else {}
+        flags |= {"interruptible": True} if interruptible else {}
+        self._send(request.to_json() | flags | {"id": self._next_id})
+        self._next_id += 1
         self._outstanding += 1
+        return self._next_id - 1
 
-    def collect(self) -> Generation:
-        """The samples of the oldest submitted generate request (blocks until the worker has them)."""
+    def collect(self, request_id: int | None = None) -> Generation:
+        """The samples of the oldest generation replied (blocks until the worker has one), or of
+        request `request_id` (submit's return value; replies read before it wait for their turn)."""
         if not self._outstanding:
             raise RolloutWorkerError("collect() with no generate request outstanding; submit() one first")
-        self._outstanding -= 1
-        reply, payload = self._reply("generate")
+        self._outstanding -= 1  # even if the worker fails now: nothing else will answer the request
+        while True:
+            found = [i for i, (r, _) in enumerate(self._ready) if request_id is None or r.get("id") == request_id]
+            if found:
+                reply, payload = self._ready[found[0]]
+                del self._ready[found[0]]
+                break
+            self._ready.append(self._reply("generate"))
+        if not reply.get("ok"):
+            raise RolloutWorkerError(f"rollout worker {self.backend} refused 'generate': {reply.get('error')}")
         lengths = [int(n) for n in reply["lengths"]]
         total = sum(lengths)
         ids = torch.frombuffer(payload, dtype=torch.int64, count=total).tolist() if total else []
@@ -366,8 +401,13 @@ class RolloutClient:
             torch.frombuffer(payload, dtype=torch.float32, count=total, offset=8 * total).tolist() if total else []
         )
         starts = [0, *itertools.accumulate(lengths)][:-1]
+        versions = None
+        if "segments" in reply:
+            versions = [token_versions(segs, n) for segs, n in zip(reply["segments"], lengths)]
         return Generation(
-            [ids[s : s + n] for s, n in zip(starts, lengths)], [logprobs[s : s + n] for s, n in zip(starts, lengths)]
+            [ids[s : s + n] for s, n in zip(starts, lengths)],
+            [logprobs[s : s + n] for s, n in zip(starts, lengths)],
+            versions,
         )
 
     def fingerprint(self) -> str:
@@ -375,9 +415,14 @@ class RolloutClient:
         return self._request({"op": "fingerprint"})[0]["fingerprint"]
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256, transport: str = "shm"
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_mb: float = 256,
+        transport: str = "shm",
+        version: int | None = None,
     ) -> SyncStats:
         """Send tensors (e.g. `policy.named_parameters()`) in buckets of ~bucket_mb; the worker copies them in.
+        `version`: the policy version they are (the worker tags what it samples with it).
 
         transport "shm": bytes go through a shared memfd (two slots, so packing bucket i+1 overlaps
         the worker loading bucket i); "socket": bytes follow each header on the socket.
@@ -414,7 +459,8 @@ class RolloutClient:
         errors += self._acks(pending)
         if errors:
             raise RolloutWorkerError(f"rollout worker {self.backend} rejected a weight bucket: {errors[0]}")
-        reply, _ = self._request({"op": "end_update", "buckets": buckets})
+        end = {"op": "end_update", "buckets": buckets} | ({"version": int(version)} if version is not None else {})
+        reply, _ = self._request(end)
         if reply["buckets"] != buckets or reply["tensors"] != tensors:
             raise RolloutWorkerError(
                 f"rollout worker {self.backend} applied {reply['buckets']} buckets / {reply['tensors']} tensors"
@@ -445,6 +491,14 @@ class RolloutClient:
         except OSError:
             self._died("receiving the staging buffer")
         self._reply("attach_staging")
+
+
+def token_versions(segments: Sequence[Sequence[int]], length: int) -> list[int]:
+    """Per-token versions of one response from its segments [[first token, version], ...]."""
+    out: list[int] = []
+    for (start, version), nxt in zip(segments, [*segments[1:], [length, None]]):
+        out += [int(version)] * (min(int(nxt[0]), length) - len(out))
+    return out
 
 
 def _peer_pid(conn: socket.socket) -> int | None:

@@ -185,7 +185,7 @@ class RolloutService:
                 for _ in actor.named_full_parameters():
                     pass
         else:
-            stats = self.client.update_weights(params, self.cfg.bucket_mb)
+            stats = self.client.update_weights(params, self.cfg.bucket_mb, version=version)
             metrics |= {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
             if self.cfg.check_fingerprint:
                 trainer = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)

@@ -1,13 +1,10 @@
-"""The rollout worker process: the wire format, the request loop, and the transformers backend.
+"""The rollout worker's wire format, typed requests and transformers backend.
 
-Run by `RolloutClient.start` (never by hand) as
-
-    python -m rlflow.engine.rollout.worker --socket PATH --model-dir DIR --parent-pid PID ...
-
-It connects to the trainer's Unix socket, loads the model, says "ready", then answers requests
-until the trainer says "shutdown" or goes away. The protocol is docs/rollout-protocol.md: every
-message is a fixed prefix, a JSON header and optional raw bytes (never pickle). The vLLM worker
-(`rollout_worker_vllm`) reuses everything here except the backend.
+The process (engine/rollout/worker_session.py, run by `RolloutClient.start`, never by hand)
+connects to the trainer's Unix socket, loads the model, says "ready", then answers requests until
+the trainer says "shutdown" or goes away. The protocol is docs/rollout-protocol.md: every message
+is a fixed prefix, a JSON header and optional raw bytes (never pickle). The vLLM worker
+(`worker_vllm`) reuses everything here except the backend.
 
 Top-level imports stay light (stdlib, torch, weight_sync): the vLLM environment imports this
 module too, and it has no fsspec/prefect.
@@ -15,24 +12,16 @@ module too, and it has no fsspec/prefect.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import mmap
-import os
 import socket
 import struct
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
-from rlflow.engine.backend.cpu_memory import keep_freed_memory
 from rlflow.engine.errors import RlflowError
-from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout.weight_sync import DTYPES, TensorEntry, copy_tensor, unpack_bucket, weights_fingerprint
 
 MAGIC = b"RLF1"
@@ -177,7 +166,8 @@ class WorkerBackend(Protocol):
 
     def describe(self) -> dict[str, Any]: ...  # JSON facts for the "ready" message
 
-    def generate(self, request: GenerateRequest) -> GenerateResult: ...
+    # interrupt (partial rollouts, hf only): asked after each token; True cuts the rows short
+    def generate(self, request: GenerateRequest, interrupt: Callable[[], bool] | None = None) -> GenerateResult: ...
 
     def begin_update(self) -> None: ...
 
@@ -208,7 +198,7 @@ class HFBackend:
         return {"parameters": numel, "tensors": len(self.params)}
 
     @torch.no_grad()
-    def generate(self, request: GenerateRequest) -> GenerateResult:
+    def generate(self, request: GenerateRequest, interrupt: Callable[[], bool] | None = None) -> GenerateResult:
         from rlflow.engine.data.batching import left_pad
         from rlflow.engine.config.sampling import SamplingParams
         from rlflow.engine.rollout.generate import sample_tokens
@@ -217,7 +207,7 @@ class HFBackend:
         ids, attention = left_pad(request.prompts, request.pad_token_id)
         params = SamplingParams(request.temperature, request.top_p, request.max_new_tokens)
         stops, pad = request.stop_token_ids, request.pad_token_id
-        out = sample_tokens(self.model, ids, attention, params, stops, pad, request.seed)
+        out = sample_tokens(self.model, ids, attention, params, stops, pad, request.seed, interrupt=interrupt)
         response, logprobs = out.tokens, out.logprobs
         keep = response_mask_from_ids(response, request.stop_token_ids).bool()
         return GenerateResult(keep.sum(1).tolist(), response[keep], logprobs[keep])
@@ -242,186 +232,3 @@ class HFBackend:
 
     def fingerprint(self) -> str:
         return weights_fingerprint(self.model.named_parameters())
-
-
-# --- the request loop ----------------------------------------------------------------------------
-
-
-class Staging:
-    """The trainer's shared-memory staging file (a memfd received over the socket), mapped here."""
-
-    def __init__(self, fd: int, nbytes: int):
-        self.fd = fd
-        self.map = mmap.mmap(fd, nbytes)
-        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)  # [nbytes]
-        self.path = f"/proc/{os.getpid()}/fd/{fd}"
-
-    def close(self) -> None:
-        self.buffer = None  # the mapping goes when its last view does
-        os.close(self.fd)
-
-
-class WorkerSession:
-    """Dispatches requests to the backend; keeps the staging map and the current update's counters."""
-
-    def __init__(self, sock: socket.socket, backend: WorkerBackend):
-        self.sock = sock
-        self.backend = backend
-        self.staging: Staging | None = None
-        self.inline = torch.empty(0, dtype=torch.uint8)  # reused receive buffer for inline buckets
-        self.buckets = self.tensors = self.bytes = 0
-        self.generations = 0  # generate requests handled: the kill point "rollout:generate:<n>"
-        self.idle_s = 0.0  # seconds between sending a reply and the next request arriving
-
-    def payload_buffer(self, n: int) -> memoryview:
-        if self.inline.numel() < n:
-            self.inline = torch.empty(n, dtype=torch.uint8)
-        return memoryview(self.inline.numpy())
-
-    def handle(self, header: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | None]:
-        op = header.get("op")
-        if op == "generate":
-            self.generations += 1
-            fault_point("rollout", "generate", self.generations)
-            start = time.monotonic()
-            result = self.backend.generate(GenerateRequest.from_json(header))
-            seconds = time.monotonic() - start
-            log.info("generate: %d rows, %d tokens in %.3f s", len(result.lengths), sum(result.lengths), seconds)
-            return {"ok": True, "lengths": result.lengths, "seconds": seconds}, result.payload()
-        if op == "attach_staging":
-            fds = socket.recv_fds(self.sock, 1, 1)[1]
-            if len(fds) != 1:
-                raise RequestError("attach_staging arrived without a file descriptor")
-            if self.staging is not None:
-                self.staging.close()
-            self.staging = Staging(fds[0], int(header["nbytes"]))
-            log.info("attached a %.1f MB staging buffer", header["nbytes"] / 1e6)
-            return {"ok": True}, None
-        if op == "begin_update":
-            self.buckets = self.tensors = self.bytes = 0
-            self.backend.begin_update()
-            return {"ok": True}, None
-        if op == "load_bucket":
-            return self.load_bucket(header, payload), None
-        if op == "end_update":
-            self.backend.end_update()
-            log.info("update: %d buckets, %d tensors, %.1f MB", self.buckets, self.tensors, self.bytes / 1e6)
-            return {"ok": True, "buckets": self.buckets, "tensors": self.tensors, "bytes": self.bytes}, None
-        if op == "fingerprint":
-            return {"ok": True, "fingerprint": self.backend.fingerprint()}, None
-        if op == "shutdown":
-            return {"ok": True}, None
-        raise RequestError(f"unknown op {op!r}")
-
-    def load_bucket(self, header: dict[str, Any], payload: memoryview) -> dict[str, Any]:
-        entries = [TensorEntry.from_json(e) for e in header["tensors"]]
-        nbytes = int(header["nbytes"])
-        if header.get("source") == "staging":
-            if self.staging is None:
-                raise RequestError("load_bucket from staging before attach_staging")
-            offset = int(header["offset"])
-            buffer = self.staging.buffer[offset : offset + nbytes]
-            source = BucketSource(buffer, self.staging.path, offset)
-        else:
-            source = BucketSource(self.inline[: len(payload)], None, 0)
-        self.backend.load(entries, source)
-        self.buckets += 1
-        self.tensors += len(entries)
-        self.bytes += sum(e.nbytes for e in entries)
-        return {"ok": True, "index": header.get("index")}
-
-    def serve(self) -> None:
-        """Answer requests in order until the trainer leaves. Every reply carries "idle_s": the
-        worker's idle seconds so far (the time the trainer kept it waiting, timing_s/wait_train)."""
-        while True:
-            waiting = time.monotonic()
-            try:
-                header, payload = recv_message(self.sock, self.payload_buffer)
-            except PeerClosed:
-                log.info("trainer closed the connection; exiting")
-                return
-            self.idle_s += time.monotonic() - waiting
-            try:
-                reply, out = self.handle(header, payload)
-            except RequestError as exc:
-                reply, out = {"ok": False, "error": str(exc)}, None
-            except Exception as exc:  # a bug or a backend failure: report it, keep serving
-                log.exception("request %r failed", header.get("op"))
-                reply, out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, None
-            try:
-                send_message(self.sock, reply | {"idle_s": self.idle_s}, out)
-            except OSError:  # broken pipe: the trainer died while we worked
-                log.info("trainer went away before the %r reply; exiting", header.get("op"))
-                return
-            if header.get("op") == "shutdown":
-                log.info("shutdown requested; exiting")
-                return
-
-
-def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """Exit when the trainer process is gone, even mid-request (its socket EOF is only seen between requests)."""
-
-    def run() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                log.error("trainer process %d is gone; exiting", parent_pid)
-                os._exit(3)
-            time.sleep(interval_s)
-
-    threading.Thread(target=run, name="parent-watchdog", daemon=True).start()
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="rlflow rollout worker (started by RolloutClient)")
-    parser.add_argument("--socket", required=True, help="the trainer's Unix socket path")
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--trust-remote-code", action="store_true")
-    return parser.parse_args(argv)
-
-
-def run_worker(make_backend: Callable[[argparse.Namespace], WorkerBackend], argv: list[str] | None = None) -> int:
-    """Connect, load, say ready, serve. Returns the process exit code."""
-    args = parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s rollout-worker[{os.getpid()}] %(message)s"
-    )
-    watch_parent(args.parent_pid)
-    if not os.path.isdir(args.model_dir):
-        log.error("model directory %s does not exist; point the rollout worker at a local HF model", args.model_dir)
-        return 2
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if not torch.cuda.is_available():  # as make_runtime: a CPU process keeps its freed memory
-        keep_freed_memory()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(args.socket)
-    start = time.monotonic()
-    try:
-        backend = make_backend(args)
-    except Exception:
-        log.exception("loading %s failed", args.model_dir)
-        return 1
-    facts = backend.describe()
-    log.info(
-        "loaded %s (%s, %s) in %.1f s; ready", args.model_dir, backend.name, backend.dtype, time.monotonic() - start
-    )
-    ready = {
-        "op": "ready",
-        "pid": os.getpid(),
-        "backend": backend.name,
-        "dtype": str(backend.dtype).removeprefix("torch."),
-    }
-    send_message(sock, ready | facts | {"load_s": time.monotonic() - start})
-    WorkerSession(sock, backend).serve()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_worker(lambda a: HFBackend(a.model_dir, a.dtype, a.trust_remote_code), argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,7 +42,8 @@ import sys
 from typing import Any
 
 import torch
-from rlflow.engine.rollout.worker import BucketSource, GenerateRequest, GenerateResult, RequestError, run_worker
+from rlflow.engine.rollout.worker import BucketSource, GenerateRequest, GenerateResult, RequestError
+from rlflow.engine.rollout.worker_session import run_worker
 from rlflow.engine.rollout.weight_sync import (
     DTYPES,
     TensorEntry,

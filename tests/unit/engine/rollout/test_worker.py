@@ -1,6 +1,5 @@
 """The rollout worker in this process: the wire format over a real socket pair, request parsing,
-and a session on the tiny demo model's transformers backend (weight loads, counters, the
-fingerprint, errors sent back as replies and the loop ending on shutdown)."""
+and the tiny demo model's transformers backend (its request loop: test_worker_session.py)."""
 
 import socket
 import threading
@@ -14,6 +13,7 @@ from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.models.tokens import response_mask_from_ids
 from rlflow.engine.rollout.generate import sample_tokens
 from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket, weights_fingerprint
+from rlflow.engine.rollout.worker_session import parse_args
 from rlflow.engine.rollout.worker import (
     PREFIX,
     GenerateRequest,
@@ -21,8 +21,6 @@ from rlflow.engine.rollout.worker import (
     PeerClosed,
     ProtocolError,
     RequestError,
-    WorkerSession,
-    parse_args,
     recv_message,
     send_message,
 )
@@ -94,64 +92,6 @@ def test_generate_returns_the_samplers_tokens_up_to_each_stop(backend):
     assert torch.equal(result.ids, expected.tokens[keep])
     assert torch.allclose(result.logprobs, expected.logprobs[keep])
     assert len(result.payload()) == sum(result.lengths) * (8 + 4)  # int64 ids, then float32 log-probs
-
-
-def _bucket_header(bucket, index=0):
-    return {"op": "load_bucket", "tensors": [e.to_json() for e in bucket.entries], "nbytes": bucket.nbytes,
-            "index": index}  # fmt: skip
-
-
-def test_an_inline_update_replaces_the_weights_and_counts_buckets_tensors_and_bytes(backend):
-    session = WorkerSession(sock=None, backend=backend)
-    new = {n: torch.full_like(p, 0.5) for n, p in list(backend.model.named_parameters())[:3]}
-    assert session.handle({"op": "begin_update"}, memoryview(b""))[0] == {"ok": True}
-    for i, bucket in enumerate(iter_buckets(new.items(), bucket_bytes=1)):  # one tensor per bucket
-        payload = memoryview(session.payload_buffer(bucket.nbytes))[: bucket.nbytes]
-        pack_bucket(bucket, session.inline[: bucket.nbytes])
-        assert session.handle(_bucket_header(bucket, i), payload)[0] == {"ok": True, "index": i}
-    reply, _ = session.handle({"op": "end_update"}, memoryview(b""))
-    assert reply == {"ok": True, "buckets": 3, "tensors": 3, "bytes": sum(t.numel() * 4 for t in new.values())}
-    for name, value in new.items():
-        assert torch.equal(backend.params[name], value)
-    reply, _ = session.handle({"op": "fingerprint"}, memoryview(b""))
-    assert reply["fingerprint"] == weights_fingerprint(backend.model.named_parameters())
-
-
-def test_a_tensor_the_model_lacks_or_of_another_shape_is_refused(backend):
-    session = WorkerSession(sock=None, backend=backend)
-    name, param = next(iter(backend.model.named_parameters()))
-    for tensors, message in (
-        ([("no.such.weight", torch.zeros(2))], "worker model has no parameter 'no.such.weight'"),
-        ([(name, torch.zeros(param.numel() + 1))], f"parameter '{name}' has shape"),
-    ):
-        (bucket,) = iter_buckets(tensors, bucket_bytes=1 << 30)
-        payload = memoryview(session.payload_buffer(bucket.nbytes))[: bucket.nbytes]
-        with pytest.raises(RequestError, match=message):
-            session.handle(_bucket_header(bucket), payload)
-    with pytest.raises(RequestError, match="load_bucket from staging before attach_staging"):
-        session.handle(_bucket_header(bucket) | {"source": "staging", "offset": 0}, payload)
-
-
-def test_the_loop_answers_errors_as_replies_and_ends_on_shutdown(pair, backend):
-    trainer, worker = pair
-    session = WorkerSession(worker, backend)
-    thread = threading.Thread(target=session.serve)
-    thread.start()
-    try:
-        send_message(trainer, {"op": "dance"})
-        reply = recv_message(trainer)[0]
-        assert reply.pop("idle_s") >= 0 and reply == {"ok": False, "error": "unknown op 'dance'"}
-        time.sleep(0.2)  # the worker waits for the next request: idle time, reported with every reply
-        send_message(trainer, REQUEST | {"op": "generate"})
-        reply, payload = recv_message(trainer)
-        assert reply["ok"] and payload.nbytes == sum(reply["lengths"]) * 12
-        assert reply["idle_s"] >= 0.2
-        send_message(trainer, {"op": "shutdown"})
-        reply = recv_message(trainer)[0]
-        assert reply.pop("idle_s") >= 0.2 and reply == {"ok": True}
-    finally:
-        thread.join(30)
-    assert not thread.is_alive()
 
 
 def test_worker_arguments_default_to_float32_and_torchs_threads():
