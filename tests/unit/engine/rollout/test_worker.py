@@ -1,52 +1,24 @@
 """The rollout worker in this process: the wire format over a real socket pair, request parsing,
 and the tiny demo model's transformers backend (its request loop: test_worker_session.py)."""
 
-import socket
-import threading
-import time
-
 import pytest
 import torch
 
+from helpers.worker_wire import REQUEST
 from rlflow.engine.data.batching import left_pad
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.models.tokens import response_mask_from_ids
 from rlflow.engine.rollout.generate import sample_tokens
-from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket, weights_fingerprint
 from rlflow.engine.rollout.worker_session import parse_args
 from rlflow.engine.rollout.worker import (
     PREFIX,
     GenerateRequest,
-    HFBackend,
     PeerClosed,
     ProtocolError,
     RequestError,
     recv_message,
     send_message,
 )
-
-REQUEST = {
-    "prompts": [[5, 6, 7], [8]],
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "max_new_tokens": 6,
-    "seed": 2,
-    "stop_token_ids": [0],
-    "pad_token_id": 0,
-}
-
-
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
-
-
-@pytest.fixture(scope="module")
-def backend(small_assets):
-    return HFBackend(str(small_assets / "tiny-model"), "float32")
 
 
 def test_a_message_round_trips_header_and_payload(pair):

@@ -3,41 +3,21 @@ weight loads and their counters, errors sent back as replies, the loop ending on
 messages served before queued generations, and a partial rollout cut by a weight update whose
 continuation is sampled by the new weights (checked against the trainer-side log-probs)."""
 
-import socket
 import threading
 import time
 
 import pytest
 import torch
 
+from helpers.worker_wire import REQUEST
 from rlflow.engine.data.batching import left_pad
 from rlflow.engine.models.loading import token_logprobs
 from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket, weights_fingerprint
 from rlflow.engine.rollout.worker import GenerateRequest, HFBackend, RequestError, recv_message, send_message
 from rlflow.engine.rollout.worker_session import Inbox, WorkerSession
 
-REQUEST = {
-    "prompts": [[5, 6, 7], [8]],
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "max_new_tokens": 6,
-    "seed": 2,
-    "stop_token_ids": [0],
-    "pad_token_id": 0,
-}
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
-
-
-@pytest.fixture
-def backend(small_assets):
-    return HFBackend(str(small_assets / "tiny-model"), "float32")
 
 
 def _packed(bucket) -> memoryview:
