@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.rollout.server import Generation
+from rlflow.engine.rollout.worker_samples import Generation
 from rlflow.engine.seeds import step_seed
 
 # (chunk index, prompts, seed): one generate request of a step

@@ -18,7 +18,8 @@ import torch
 from rlflow.engine.data.batching import left_pad
 from rlflow.engine.models.tokens import response_mask_from_ids, stop_token_ids
 from rlflow.engine.rollout.generate import RolloutBatch, batched_logprobs
-from rlflow.engine.rollout.server import Generation, RolloutClient, RolloutWorkerError
+from rlflow.engine.rollout.server import RolloutClient, RolloutWorkerError
+from rlflow.engine.rollout.worker_samples import Generation
 from rlflow.engine.rollout.weight_sync import SyncCheck, check_weight_sync, weights_fingerprint
 
 

@@ -15,7 +15,6 @@ the trainer goes away.
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import socket
@@ -28,12 +27,13 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn, final
+from typing import Any, NoReturn, final
 
 import torch
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.models.tokens import stop_token_ids
+from rlflow.engine.rollout.worker_samples import Generation, generation_from_reply
 from rlflow.engine.rollout.worker import GenerateRequest, PeerClosed, recv_message, send_message
 from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket
 
@@ -57,16 +57,6 @@ class SyncStats:
     buckets: int
     tensors: int
     transport: str  # "shm" or "socket"
-
-
-class Generation(NamedTuple):
-    """The worker's samples, one entry per prompt; each response ends at its EOS (kept) or the length limit."""
-
-    response_ids: list[list[int]]
-    logprobs: list[list[float]]  # log softmax(logits / T) of each sampled token, by the worker
-    # the policy version that sampled each token (several in a row a partial rollout continued
-    # across weight updates); None where the reply did not say
-    versions: list[list[int]] | None = None
 
 
 class _Staging:
@@ -394,21 +384,7 @@ class RolloutClient:
             self._ready.append(self._reply("generate"))
         if not reply.get("ok"):
             raise RolloutWorkerError(f"rollout worker {self.backend} refused 'generate': {reply.get('error')}")
-        lengths = [int(n) for n in reply["lengths"]]
-        total = sum(lengths)
-        ids = torch.frombuffer(payload, dtype=torch.int64, count=total).tolist() if total else []
-        logprobs = (
-            torch.frombuffer(payload, dtype=torch.float32, count=total, offset=8 * total).tolist() if total else []
-        )
-        starts = [0, *itertools.accumulate(lengths)][:-1]
-        versions = None
-        if "segments" in reply:
-            versions = [token_versions(segs, n) for segs, n in zip(reply["segments"], lengths)]
-        return Generation(
-            [ids[s : s + n] for s, n in zip(starts, lengths)],
-            [logprobs[s : s + n] for s, n in zip(starts, lengths)],
-            versions,
-        )
+        return generation_from_reply(reply, payload)
 
     def fingerprint(self) -> str:
         """The worker's weights_fingerprint (compare with the trainer's, rounded to `self.dtype`)."""
@@ -491,14 +467,6 @@ class RolloutClient:
         except OSError:
             self._died("receiving the staging buffer")
         self._reply("attach_staging")
-
-
-def token_versions(segments: Sequence[Sequence[int]], length: int) -> list[int]:
-    """Per-token versions of one response from its segments [[first token, version], ...]."""
-    out: list[int] = []
-    for (start, version), nxt in zip(segments, [*segments[1:], [length, None]]):
-        out += [int(version)] * (min(int(nxt[0]), length) - len(out))
-    return out
 
 
 def _peer_pid(conn: socket.socket) -> int | None:

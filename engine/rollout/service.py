@@ -102,7 +102,7 @@ class RolloutService:
         Returns this rank's chunks (index c with c % world == rank) as RolloutBatches. Off-policy,
         the samples are the lookahead's for `step` (sampled to the same plan, by an older version)."""
         from rlflow.engine.rollout.served import build_rollout_batch
-        from rlflow.engine.rollout.server import Generation
+        from rlflow.engine.rollout.worker_samples import Generation
 
         if self.cfg.off_policy_steps:
             version, sampled, logprobs = self._take(step)
@@ -216,7 +216,7 @@ class RolloutService:
         WeightSyncError; returns rollout/logprob_diff_mean and _max (the same again if the step runs
         again) and times timing_s/sync_probe. Synchronous: nothing (every batch is checked)."""
         from rlflow.engine.rollout.served import build_rollout_batch
-        from rlflow.engine.rollout.server import Generation
+        from rlflow.engine.rollout.worker_samples import Generation
 
         if self.probe is None:
             return dict(self.probe_metrics)

@@ -179,36 +179,36 @@ class WorkerSession:
     def generate(self, request: GenerateRequest, interruptible: bool) -> tuple[GenerateResult, list[list[list[int]]]]:
         """The request's responses, and per row its segments [[first token, version], ...]. Cut by a
         control message (interruptible), the unfinished rows go on after it under the new weights."""
-        rows = len(request.prompts)
-        ids: list[list[int]] = [[] for _ in range(rows)]
-        logprobs: list[list[float]] = [[] for _ in range(rows)]
-        segments = [[[0, self.version]] for _ in range(rows)]
-        stops, pending, part = set(request.stop_token_ids), list(range(rows)), 0
+        segments = [[[0, self.version]] for _ in request.prompts]
         interrupt = self.inbox.control_pending if interruptible and self.inbox is not None else None
-        while pending:
-            done = len(ids[pending[0]])  # rows still going have all sampled the same number of tokens
+        result = self._sample(request, interrupt)
+        going = _cut_rows(result, request.max_new_tokens, request.stop_token_ids)
+        if not going:  # the usual case: the backend's result as it is
+            return result, segments
+        ids, logprobs = _rows(result)
+        rows, part = list(range(len(request.prompts))), 0
+        while going:  # cut by a control message: serve it (a whole update), then go on with its weights
+            self.serve_control()
+            rows, part = [rows[i] for i in going], part + 1
+            for i in rows:
+                segments[i].append([len(ids[i]), self.version])
             sub = dataclasses.replace(
                 request,
-                prompts=[request.prompts[i] + ids[i] for i in pending],
-                max_new_tokens=request.max_new_tokens - done,
-                seed=request.seed if part == 0 else _continuation_seed(request.seed, part),
+                prompts=[request.prompts[i] + ids[i] for i in rows],
+                max_new_tokens=request.max_new_tokens - len(ids[rows[0]]),  # rows going on sampled alike
+                seed=_continuation_seed(request.seed, part),
             )
-            result = self.backend.generate(sub) if interrupt is None else self.backend.generate(sub, interrupt)
-            offset, going = 0, []
-            for i, n in zip(pending, result.lengths):
-                ids[i] += result.ids[offset : offset + n].tolist()
-                logprobs[i] += result.logprobs[offset : offset + n].tolist()
-                offset += n
-                if len(ids[i]) < request.max_new_tokens and (not ids[i] or ids[i][-1] not in stops):
-                    going.append(i)
-            if going:  # cut by a control message: serve it (a whole update), then go on with its weights
-                self.serve_control()
-                for i in going:
-                    segments[i].append([len(ids[i]), self.version])
-            pending, part = going, part + 1
+            result = self._sample(sub, interrupt)
+            for i, row_ids, row_lps in zip(rows, *_rows(result)):
+                ids[i] += row_ids
+                logprobs[i] += row_lps
+            going = _cut_rows(result, sub.max_new_tokens, request.stop_token_ids)
         flat_ids = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
         flat_lps = torch.tensor([x for row in logprobs for x in row], dtype=torch.float32)
         return GenerateResult([len(row) for row in ids], flat_ids, flat_lps), segments
+
+    def _sample(self, request: GenerateRequest, interrupt: Callable[[], bool] | None) -> GenerateResult:
+        return self.backend.generate(request) if interrupt is None else self.backend.generate(request, interrupt)
 
     def load_bucket(self, header: dict[str, Any], payload: memoryview) -> dict[str, Any]:
         entries = [TensorEntry.from_json(e) for e in header["tensors"]]
@@ -344,6 +344,25 @@ def run_worker(make_backend: Callable[[argparse.Namespace], WorkerBackend], argv
 def main(argv: list[str] | None = None) -> int:
     return run_worker(lambda a: HFBackend(a.model_dir, a.dtype, a.trust_remote_code), argv)
 
+
+
+def _rows(result: GenerateResult) -> tuple[list[list[int]], list[list[float]]]:
+    """The result's ragged ids and log-probs as one list per row."""
+    ids, logprobs = result.ids.tolist(), result.logprobs.tolist()
+    starts = [sum(result.lengths[:i]) for i in range(len(result.lengths))]
+    return [ids[s : s + n] for s, n in zip(starts, result.lengths)], [
+        logprobs[s : s + n] for s, n in zip(starts, result.lengths)
+    ]
+
+
+def _cut_rows(result: GenerateResult, budget: int, stop_ids: list[int]) -> list[int]:
+    """Indices of the rows that neither reached a stop id nor used the `budget` of new tokens."""
+    ends = torch.tensor(result.lengths).cumsum(0) - 1
+    return [
+        i
+        for i, n in enumerate(result.lengths)
+        if n < budget and (n == 0 or int(result.ids[int(ends[i])]) not in stop_ids)
+    ]
 
 
 def _continuation_seed(seed: int, part: int) -> int:

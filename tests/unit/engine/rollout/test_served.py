@@ -5,7 +5,8 @@ import pytest
 
 from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.rollout.served import build_rollout_batch
-from rlflow.engine.rollout.server import Generation, RolloutWorkerError
+from rlflow.engine.rollout.server import RolloutWorkerError
+from rlflow.engine.rollout.worker_samples import Generation
 
 
 def test_a_generation_becomes_the_batch_generate_rollouts_would_build(small_assets):

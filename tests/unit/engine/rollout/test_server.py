@@ -295,10 +295,3 @@ def test_vllm_worker_generates_and_syncs(tiny, policy):
         )
         assert check.fingerprint_match
 
-
-def test_segments_become_one_version_per_token():
-    from rlflow.engine.rollout.server import token_versions
-
-    assert token_versions([[0, 3]], 4) == [3, 3, 3, 3]
-    assert token_versions([[0, 3], [1, 4], [3, 6]], 5) == [3, 4, 4, 6, 6]
-    assert token_versions([[0, 2]], 0) == []

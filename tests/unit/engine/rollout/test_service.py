@@ -13,7 +13,7 @@ from rlflow.engine.config.schema import build_config
 from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
 from rlflow.engine.rollout.generate import RolloutBatch
-from rlflow.engine.rollout.server import Generation
+from rlflow.engine.rollout.worker_samples import Generation
 from rlflow.engine.rollout.service import RolloutService
 from rlflow.engine.rollout.weight_sync import WeightSyncError
 
