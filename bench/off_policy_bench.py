@@ -4,13 +4,15 @@
 
 The workloads are bench/ppo_vs_trl.py's (PPO: SIZES' batches with a critic; GRPO: GRPO_SIZES' prompts x 4,
 the KL in the loss), on its assets. For each (size, algorithm) one worker process
-(bench/rlflow_off_policy_worker.py) runs rlflow's RL step in five modes one after the other: sync_colocated
+(bench/rlflow_off_policy_worker.py) runs rlflow's RL step in eight modes one after the other: sync_colocated
 (2 threads), sync_server (trainer and hf worker 2 threads each), off_policy (rollout.off_policy_steps 1, one
-core each: run.threads 1, rollout.threads 1), off_policy_shared (the trainer on 2 threads), then the faster sync mode and off_policy again with a slow
-reward (a sleeping judge, half the faster sync mode's sampling time per batch). It prints steps/s and the
-phase medians per mode, writes bench/results/off_policy-<UTC time>.json, and last
+core each: run.threads 1, rollout.threads 1), off_policy_shared (the trainer on 2 threads), async
+(rollout.async, max_staleness 1, partial rollouts, one core each), then the faster sync mode, off_policy and
+async again with a slow reward (a sleeping judge, half the faster sync mode's sampling time per batch). It
+prints steps/s and the phase medians per mode, writes bench/results/off_policy-<UTC time>.json, and last
     RESULT off_policy_vs_sync_<algo>_<size>=<off_policy steps/s over the faster sync's> ...
            off_policy_vs_sync_slow_<algo>_<size>=<the same with the slow reward> ...
+           async_vs_sync_<algo>_<size>=... async_vs_sync_slow_<algo>_<size>=...
 (one line; nan for what --algos or --sizes left out).
 """
 
@@ -29,7 +31,8 @@ from harness import REPO, run_worker
 from ppo_vs_trl import SIZES, WORKLOAD, machine, sig3, versions
 
 ALGOS = ("ppo", "grpo")
-MODES = ("sync_colocated", "sync_server", "off_policy", "off_policy_shared", "sync_slow", "off_policy_slow")
+MODES = ("sync_colocated", "sync_server", "off_policy", "off_policy_shared", "async", "sync_slow", "off_policy_slow",
+         "async_slow")  # fmt: skip
 PHASES = ("gen", "wait_rollout", "wait_train", "ref", "reward", "old_logprobs", "values", "update_actor",
           "update_critic", "update_weights", "sync_probe", "other")  # fmt: skip
 UPDATES = {"tiny": 5, "50m": 3, "smollm2": 2}  # timed steps per mode (one warm-up step before them)
@@ -51,6 +54,8 @@ def summarize(result: dict) -> dict:
         "off_policy_vs_sync": runs["off_policy"]["steps_s"] / runs[faster]["steps_s"],
         "off_policy_shared_vs_sync": runs["off_policy_shared"]["steps_s"] / runs[faster]["steps_s"],
         "off_policy_vs_sync_slow": runs["off_policy_slow"]["steps_s"] / runs["sync_slow"]["steps_s"],
+        "async_vs_sync": runs["async"]["steps_s"] / runs[faster]["steps_s"],
+        "async_vs_sync_slow": runs["async_slow"]["steps_s"] / runs["sync_slow"]["steps_s"],
         "judge_delay_s": runs["sync_slow"]["judge_delay_s"],
     }
 
@@ -62,8 +67,9 @@ def print_table(size: str, algo: str, result: dict, summary: dict) -> None:
         run = result["runs"][name]
         cells = " ".join(f"{run['phases'].get(f'timing_s/{p}', 0.0):>9.3f}" for p in PHASES)
         print(f"{name:<16} {run['steps_s']:>8.3f} {cells}")
-    ratio, slow = summary["off_policy_vs_sync"], summary["off_policy_vs_sync_slow"]
-    print(f"off_policy / faster sync: {ratio:.2f}x; with the slow reward: {slow:.2f}x")
+    for name in ("off_policy", "async"):
+        ratio, slow = summary[f"{name}_vs_sync"], summary[f"{name}_vs_sync_slow"]
+        print(f"{name} / faster sync: {ratio:.2f}x; with the slow reward: {slow:.2f}x")
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,7 +96,7 @@ def main() -> None:
     for size in args.sizes:
         for algo in args.algos:
             work = work_for(size, algo, assets, args.updates or UPDATES[size])
-            print(f"[{size} {algo}] five modes ...", flush=True)
+            print(f"[{size} {algo}] {len(MODES)} modes ...", flush=True)
             result = run_worker("rlflow_off_policy_worker.py", work, args.quiet_wait)
             report["raw"][f"{algo}_{size}"] = {"workload": work, "result": result}
             report["summary"][f"{algo}_{size}"] = summary = summarize(result)
@@ -100,8 +106,9 @@ def main() -> None:
     for algo in ALGOS:
         for size in SIZES:
             summary = report["summary"].get(f"{algo}_{size}", {})
-            result_line[f"off_policy_vs_sync_{algo}_{size}"] = summary.get("off_policy_vs_sync")
-            result_line[f"off_policy_vs_sync_slow_{algo}_{size}"] = summary.get("off_policy_vs_sync_slow")
+            for name in ("off_policy", "async"):
+                result_line[f"{name}_vs_sync_{algo}_{size}"] = summary.get(f"{name}_vs_sync")
+                result_line[f"{name}_vs_sync_slow_{algo}_{size}"] = summary.get(f"{name}_vs_sync_slow")
     report["result"] = result_line
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ Modes, each `warmup` untimed steps then `updates` timed ones (steps/s = updates 
   take turns, so each may use both cores);
 - off_policy: rollout.off_policy_steps 1, trainer and worker 1 thread each (one core each);
 - off_policy_shared: the same with the trainer on 2 threads (it shares a core with the worker);
-- sync_slow and off_policy_slow: the faster sync mode and off_policy again with a reward function
+- async: rollout.async with max_staleness 1 and partial rollouts, one core each;
+- sync_slow, off_policy_slow and async_slow: the faster sync mode, off_policy and async again with a reward function
   that sleeps (bench/slow_judge.py, weight 0, one pool worker): half the faster sync mode's median
   sampling time per batch, no CPU.
 The actor trains on through the modes (a worker gets its current weights when it starts); the
@@ -33,6 +34,7 @@ from rlflow_grpo_worker import grpo_tree
 SYNC_MODES = {"sync_colocated": ("colocated", 0, 2, None), "sync_server": ("server", 0, 2, 2)}
 OFF_POLICY = ("server", 1, 1, 1)  # mode, off_policy_steps, trainer threads, worker threads
 OFF_POLICY_SHARED = ("server", 1, 2, 1)  # the trainer keeps both cores, the worker takes one of them
+ASYNC = ("server", -1, 1, 1)  # k -1: rollout.async, max_staleness 1, partial rollouts
 
 
 def ppo_tree(work: dict) -> dict:
@@ -50,7 +52,9 @@ def ppo_tree(work: dict) -> dict:
 
 def mode_tree(work: dict, mode: str, k: int, worker_threads: int | None, row_delay_s: float) -> dict:
     tree = grpo_tree(work) if work["algo"] == "grpo" else ppo_tree(work)
-    tree["rollout"] = tree["rollout"] | {"mode": mode, "off_policy_steps": k, "threads": worker_threads}
+    tree["rollout"] = tree["rollout"] | {"mode": mode, "off_policy_steps": max(k, 0), "threads": worker_threads}
+    if k < 0:
+        tree["rollout"] |= {"async": True, "max_staleness": 1, "partial_rollouts": True}
     sources = [{"name": "rm", "type": "model"}]
     if row_delay_s:
         judge = {"name": "judge", "type": "function", "fn": "slow_judge:score", "weight": 0.0}
@@ -88,7 +92,8 @@ class Bench:
         from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
         from rlflow.engine.rollout.service import AheadStart, RolloutService
         from rlflow.engine.stages.rl.experience import Objective
-        from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan
+        from rlflow.engine.seeds import step_seed
+        from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan, stream_prompts
 
         work = self.work
         torch.set_num_threads(threads)
@@ -102,7 +107,10 @@ class Bench:
         service = None
         if mode == "server":
             plan = rollout_plan(self.prompts, cfg.ppo, objective, work["seed"], 0, cfg.rollout.generate_batch)
-            ahead = AheadStart(plan, steps, 0, {})
+            index_of = stream_prompts(len(self.prompts.token_ids), cfg.ppo, work["seed"], 0)
+            prompt_of = lambda group: self.prompts.token_ids[index_of(group)]  # noqa: E731
+            seed = step_seed(work["seed"], 0, 12)
+            ahead = AheadStart(plan, steps, 0, {}, prompt_of, cfg.ppo.rollout_batch, seed)
             tokenizer, actor = self.models.tokenizer, self.models.actor
             service = RolloutService.start(cfg.rollout, work["policy"], tokenizer, actor, None, None, ahead)
         models = dataclasses.replace(self.models, rollout=service, reward=source)
@@ -137,9 +145,9 @@ def check(name: str, step: int, k: int, metrics: dict, new_tokens: int) -> None:
     """Stop on a step that is not the workload: short responses, or samples staler than the mode."""
     if metrics.get("response_length/mean") != new_tokens:
         raise SystemExit(f"{name} step {step}: response_length/mean={metrics.get('response_length/mean')}")
-    stale = metrics.get("rollout/staleness_max", 0.0)
-    if stale != min(k, step - 1):
-        raise SystemExit(f"{name} step {step}: rollout/staleness_max={stale}, expected {min(k, step - 1)}")
+    stale, bound = metrics.get("rollout/staleness_max", 0.0), (1 if k < 0 else k)
+    if (k < 0 and stale > bound) or (k >= 0 and stale != min(k, step - 1)):
+        raise SystemExit(f"{name} step {step}: rollout/staleness_max={stale}, expected {min(bound, step - 1)}")
 
 
 def main() -> None:
@@ -149,10 +157,12 @@ def main() -> None:
     runs = {name: bench.run(name, *spec, 0.0) for name, spec in SYNC_MODES.items()}
     runs["off_policy"] = bench.run("off_policy", *OFF_POLICY, 0.0)
     runs["off_policy_shared"] = bench.run("off_policy_shared", *OFF_POLICY_SHARED, 0.0)
+    runs["async"] = bench.run("async", *ASYNC, 0.0)
     faster = max(SYNC_MODES, key=lambda name: runs[name]["steps_s"])
     delay = 0.5 * runs[faster]["phases"]["timing_s/gen"]
     runs["sync_slow"] = bench.run("sync_slow", *SYNC_MODES[faster], delay) | {"mode": faster}
     runs["off_policy_slow"] = bench.run("off_policy_slow", *OFF_POLICY, delay)
+    runs["async_slow"] = bench.run("async_slow", *ASYNC, delay)
     ids = [list(t) for t in bench.prompts.token_ids]
     emit_result(work, ids, {"side": "rlflow", "algo": work["algo"], "runs": runs, "faster_sync": faster})
 

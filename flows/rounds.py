@@ -182,6 +182,7 @@ def rl_stage(
             "model": model_section_of(c),
             # Off-policy sampling changes what is trained on; k=0 keeps the synchronous identities.
             **({"rollout_off_policy_steps": c.rollout.off_policy_steps} if c.rollout.off_policy_steps else {}),
+            **({"rollout_async": [c.rollout.max_staleness, c.rollout.partial_rollouts]} if c.rollout.async_ else {}),
         },
         {k: _input_id(v) for k, v in upstream},
         ("prompts", "eval_prompts"),

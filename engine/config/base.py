@@ -12,7 +12,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 class Section(BaseModel):
     # use_attribute_docstrings: the string under each field is its description, the one source of
     # the config reference (`rlflow config --markdown` writes docs/config.md from it).
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
+    # serialize_by_alias: a key that is a Python keyword (rollout.async) is dumped as typed.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True, serialize_by_alias=True
+    )
 
 
 class SupervisedSection(Section):

@@ -185,12 +185,25 @@ class RolloutConfig(Section):
     """k: the worker samples the batch of step t+k while the trainer trains step t (mode server only);
     batch t is sampled by the actor after max(0, t-1-k) steps, whatever the machine's speed, so runs
     stay reproducible and resume exactly. 0: synchronous, each batch sampled by the current actor."""
+    async_: bool = Field(False, alias="async")
+    """Fully asynchronous sampling (mode server only): the worker samples continuously into a buffer
+    the trainer takes each step's groups from, and weights go to it without waiting for the samples
+    in flight. Unlike off_policy_steps, timing decides which version samples what, so a resumed run
+    continues rather than repeats (docs/rollout-protocol.md)."""
+    max_staleness: int = Field(1, ge=0, le=64)
+    """With async: the most versions a trained sample may lag the trainer's policy; the worker starts
+    no sample that could exceed it, and one that would (after a resume with a lower bound) is dropped
+    and counted in rollout/dropped_stale."""
+    partial_rollouts: bool = False
+    """With async: a weight update reaches generations in flight at the next token; they go on with
+    the new weights, each token keeping the version and log-prob that sampled it. A row's staleness
+    is its oldest token's."""
     threads: int | None = Field(None, ge=1)
     """torch CPU threads of the worker process; None: the trainer's count (on a CPU machine, give
     each side its own cores with run.threads and rollout.threads)."""
     probe_rows: int = Field(4, ge=1)
     """Rows the worker samples, and the trainer rescores, right after each weight sync when
-    off_policy_steps > 0 (the guard compares both under the same version). At 0 the log-probs of
+    off_policy_steps > 0 or async (the guard compares both under the same version). At 0 the log-probs of
     every sampled row are compared instead, as PPO's old log-probs."""
     max_logprob_diff: float = Field(1e-3, gt=0)
     """Largest |trainer - worker| log-prob difference of a sampled token after a sync, in nats; above
@@ -202,6 +215,40 @@ class RolloutConfig(Section):
     response_timeout_s: float = Field(1800.0, gt=0)
     """Longest wait for one reply of the running worker (a batch's samples, a weight bucket), in
     seconds; a worker alive but silent that long is killed and the run stops with an error naming it."""
+
+    @model_validator(mode="after")
+    def _check_async(self) -> RolloutConfig:
+        if self.async_ and self.mode != "server":
+            raise ValueError(
+                "rollout.async=true samples in a separate worker while the trainer trains: it needs"
+                " rollout.mode=server (got colocated); set rollout.mode=server or rollout.async=false"
+            )
+        if self.async_ and self.off_policy_steps:
+            raise ValueError(
+                f"rollout.async=true and rollout.off_policy_steps={self.off_policy_steps} are two schedules of the"
+                " worker: keep one (rollout.off_policy_steps=0 with async; rollout.max_staleness bounds the lag)"
+            )
+        if self.partial_rollouts and not self.async_:
+            raise ValueError(
+                "rollout.partial_rollouts=true continues generations across weight updates, which only"
+                " rollout.async=true sends mid-generation; set rollout.async=true or rollout.partial_rollouts=false"
+            )
+        if self.partial_rollouts and self.server_backend == "vllm":
+            raise ValueError(
+                "rollout.partial_rollouts=true is not supported by rollout.server_backend=vllm yet (its engine"
+                " finishes a request under one set of weights); use server_backend=hf or partial_rollouts=false"
+            )
+        return self
+
+    @property
+    def samples_ahead(self) -> bool:
+        """Whether the worker samples ahead of training (a checkpoint keeps what it sampled)."""
+        return self.async_ or self.off_policy_steps > 0
+
+    @property
+    def staleness_bound(self) -> int:
+        """The most versions a trained row may lag the trainer's policy."""
+        return self.max_staleness if self.async_ else self.off_policy_steps
 
 
 class PlacementConfig(Section):

@@ -266,7 +266,8 @@ def _format_error(error: dict[str, Any], source: str) -> str:
         if (moved := moved_key_message(loc, error.get("input"))) is not None:
             return f"{source}: {moved}"
         section = _section_at(loc[:-1])
-        valid = ", ".join(sorted(section.model_fields)) if section else "?"
+        # as a config file spells them: rollout.async is the field async_
+        valid = ", ".join(sorted(info.alias or name for name, info in section.model_fields.items())) if section else "?"
         where = _key_text(loc[:-1]) or "top level"
         return f"{source}: unknown key '{key}' in {where}; valid keys: {valid}"
     message = error["msg"].removeprefix("Value error, ")

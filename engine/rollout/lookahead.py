@@ -74,7 +74,7 @@ def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) 
     if worst > bound or float(staleness.min()) < 0:
         raise RuntimeError(
             f"rows sampled by versions {sorted(set(versions.tolist()))} reached training at version {trainer_version}:"
-            f" staleness must lie in [0, {bound}] (rollout.off_policy_steps)"
+            f" staleness must lie in [0, {bound}] (rollout.off_policy_steps, or max_staleness with async)"
         )
     return {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": worst}
 

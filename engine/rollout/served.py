@@ -35,7 +35,8 @@ def build_rollout_batch(
     Same left padding, same right padding with pad_token_id after each row's EOS, same response
     mask (1 up to and including the first EOS). Width R = the longest response. The worker's
     log-probs become sampled_logprobs (0 on padding); `version`, the policy version the worker
-    held, becomes every row's sampled_versions (None: left unset).
+    held, becomes every row's sampled_versions; None: each row's oldest token's version where the
+    generation tags them (a partial rollout spans several), else left unset.
     """
     response_ids = generation.response_ids
     pad, stops = tokenizer.pad_token_id, stop_token_ids(tokenizer)
@@ -61,8 +62,17 @@ def build_rollout_batch(
         prompt_width=ids.shape[1],
         response_texts=tuple(tokenizer.batch_decode(response, skip_special_tokens=True)),
         sampled_logprobs=logprobs * mask,
-        sampled_versions=None if version is None else torch.full((len(response_ids),), version, dtype=torch.long),
+        sampled_versions=_row_versions(generation, version),
     )
+
+
+def _row_versions(generation: Generation, version: int | None) -> torch.Tensor | None:
+    """[B] int64: the version that sampled each row (its oldest token's)."""
+    if version is not None:
+        return torch.full((len(generation.response_ids),), version, dtype=torch.long)
+    if generation.versions is None:
+        return None
+    return torch.tensor([min(row) for row in generation.versions], dtype=torch.long)
 
 
 def probe_weight_sync(

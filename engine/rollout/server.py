@@ -94,7 +94,7 @@ class RolloutClient:
     """Trainer-side handle of one rollout worker process. Use `start`; close (or `with`) when done.
 
     Not thread-safe. Generations may be pipelined (`submit` several, `collect` them in order, while
-    the trainer works); every other request waits until none is outstanding.
+    the trainer works); every other request waits until none is outstanding, unless `concurrent`.
     """
 
     def __init__(self, proc: subprocess.Popen, backend: str, log_path: str, tokenizer: Any, socket_path: str):
@@ -108,6 +108,9 @@ class RolloutClient:
         self._outstanding = 0  # generate requests sent, replies not yet collected
         self._ready: deque[tuple[dict[str, Any], memoryview]] = deque()  # replies read while awaiting another
         self._next_id = 0
+        # True: control requests go out with generations outstanding; the worker serves them first, so
+        # the weights change under samples submitted earlier (asynchronous rollout tags each token's version)
+        self.concurrent = False
         self.response_timeout_s: float | None = None  # longest wait for one reply; None: no limit
         self.worker_idle_s = 0.0  # the worker's idle seconds so far, from its latest reply
         self._own_log = False  # a temp log we created: deleted by a clean close
@@ -324,9 +327,7 @@ class RolloutClient:
         return self._reply(header["op"])
 
     def _require_idle(self, op: str) -> None:
-        # The worker serves control requests before queued generations: sent now, the weights would
-        # change under samples submitted earlier (what asynchronous sampling will want, deliberately).
-        if self._outstanding:
+        if self._outstanding and not self.concurrent:
             raise RolloutWorkerError(f"{op!r} sent with {self._outstanding} generation(s) outstanding; collect() them first")
 
     @property

@@ -5,13 +5,16 @@ sampling would use), and each rank takes its chunks' token ids. After every opti
 actor's weights go to the worker in buckets; the trainer then compares weight fingerprints and
 the worker's log-probs against its own under the same weights: a skipped or partial sync stops
 the run. Synchronously (off_policy_steps 0) the probe is every sampled row, whose trainer
-log-probs PPO computes anyway as its old log-probs; off-policy, the sampled rows are older than
-the trainer's weights, so a few rows sampled right after the sync are rescored instead.
+log-probs PPO computes anyway as its old log-probs; off-policy and asynchronously, the sampled rows
+are older than the trainer's weights, so a few rows sampled right after the sync are rescored
+instead. Asynchronously (rollout.async) the worker samples on while the weights go out
+(engine/rollout/streaming.py), and each step trains on the groups its buffer holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout.generate import RolloutBatch, batched_logprobs
 from rlflow.engine.rollout.lookahead import Lookahead, SampledStep, StepPlan
+from rlflow.engine.rollout.streaming import AsyncSampler, GroupShape, TakenGroups
 from rlflow.engine.seeds import step_seed
 from rlflow.engine.telemetry.phases import add_phases
 from rlflow.engine.rollout.weight_sync import check_weight_sync, weights_fingerprint
@@ -39,11 +43,13 @@ class RolloutService:
     trainer_fingerprint: str | None = None  # at the last sync (rank 0)
     worker_fingerprint: str | None = None
     lookahead: Lookahead | None = None  # off_policy_steps > 0, rank 0: the steps sampled ahead
-    plan: Callable[[int], StepPlan] | None = None  # off_policy_steps > 0: what each step samples
+    plan: Callable[[int], StepPlan] | None = None  # samples_ahead: what each step samples (its probe)
+    stream: AsyncSampler | None = None  # rollout.async, rank 0: the continuous stream
     version: int = 0  # the policy version the worker holds (completed training steps)
-    taken: tuple[int, SampledStep] | None = None  # the last step's samples (a step run again reuses them)
+    taken: tuple[int, SampledStep | TakenGroups] | None = None  # the last step's samples (a step run again reuses them)
     worker_idle_s: float = 0.0  # the worker's idle seconds, cumulative, at the last report
     probe: tuple[list, SamplingParams] | None = None  # off-policy: the probe sent after the last sync
+    probe_id: int | None = None  # async: its request id
     probe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # its check's figures
 
     @classmethod
@@ -77,11 +83,20 @@ class RolloutService:
                 cuda_visible_devices=cuda_visible_devices,
             )
         service = cls(cfg, client, tokenizer)
-        if cfg.off_policy_steps:
+        if cfg.samples_ahead:
             if ahead is None:
-                raise ValueError("rollout.off_policy_steps > 0 needs the step plan (AheadStart)")
+                raise ValueError("rollout.off_policy_steps > 0 and rollout.async need the step plan (AheadStart)")
             service.plan, service.version = ahead.plan, ahead.version
-            if client is not None:
+            if client is not None and cfg.async_:
+                client.concurrent = True
+                shape = GroupShape(cfg.n, ahead.batch_groups, max(1, cfg.generate_batch // cfg.n))
+                params, S = ahead.plan(1).params, cfg.max_staleness
+                state = ahead.buffer.get("async")
+                partial, version, last = cfg.partial_rollouts, ahead.version, ahead.last_step
+                service.stream = AsyncSampler(
+                    client, ahead.prompt_of, params, shape, S, partial, version, last, ahead.seed, state
+                )
+            elif client is not None:
                 buffer = Lookahead.buffer_from(ahead.buffer)
                 k, last = cfg.off_policy_steps, ahead.last_step
                 service.lookahead = Lookahead(client, k, ahead.plan, last, ahead.version, buffer)
@@ -93,7 +108,7 @@ class RolloutService:
     def checks_batches(self) -> bool:
         """Whether each sampled batch is the sync guard's probe: synchronous sampling, where the
         worker sampled with the very weights the trainer scores it with."""
-        return not self.cfg.off_policy_steps
+        return not self.cfg.samples_ahead
 
     def sample_chunks(
         self, chunks: Sequence[tuple[int, Sequence[Sequence[int]], int]], params: SamplingParams, step: int = 0
@@ -104,24 +119,28 @@ class RolloutService:
         from rlflow.engine.rollout.served import build_rollout_batch
         from rlflow.engine.rollout.worker_samples import Generation
 
-        if self.cfg.off_policy_steps:
-            version, sampled, logprobs = self._take(step)
+        if self.cfg.async_:  # the groups take_groups(step) took, cut as the chunks cut their prompts
+            taken, starts = self.taken[1], [0, *itertools.accumulate(len(p) for _, p, _ in chunks)]
+            version, generations = None, [taken.generation(slice(a, b)) for a, b in zip(starts, starts[1:])]
         else:
-            version, sampled, logprobs = self.version, [], []
-            if self.client is not None:
-                for _, prompts, seed in chunks:
-                    generation = self.client.generate(prompts, params, seed)
-                    sampled.append(generation.response_ids)
-                    logprobs.append(generation.logprobs)
-            if dist.world_size() > 1:  # rank 0 hands every rank the token ids of all chunks
-                sampled, logprobs = dist.all_gather_json([sampled, logprobs] if dist.is_main() else None)[0]
-        if len(sampled) != len(chunks):
-            raise RuntimeError(f"step {step}: the worker returned {len(sampled)} chunks for {len(chunks)} requested")
+            if self.cfg.off_policy_steps:
+                version, sampled, logprobs = self._take(step)
+            else:
+                version, sampled, logprobs = self.version, [], []
+                if self.client is not None:
+                    for _, prompts, seed in chunks:
+                        generation = self.client.generate(prompts, params, seed)
+                        sampled.append(generation.response_ids)
+                        logprobs.append(generation.logprobs)
+                if dist.world_size() > 1:  # rank 0 hands every rank the token ids of all chunks
+                    sampled, logprobs = dist.all_gather_json([sampled, logprobs] if dist.is_main() else None)[0]
+            generations = [Generation(ids, lps) for ids, lps in zip(sampled, logprobs)]
+        if len(generations) != len(chunks):
+            raise RuntimeError(f"step {step}: the worker returned {len(generations)} chunks, {len(chunks)} requested")
         mine: dict[int, RolloutBatch] = {}
-        for (c, prompts, _), ids, lps in zip(chunks, sampled, logprobs):
-            if c % dist.world_size() != dist.rank():
-                continue
-            mine[c] = build_rollout_batch(self.tokenizer, prompts, Generation(ids, lps), params.max_new_tokens, version)
+        for (c, prompts, _), generation in zip(chunks, generations):
+            if c % dist.world_size() == dist.rank():
+                mine[c] = build_rollout_batch(self.tokenizer, prompts, generation, params.max_new_tokens, version)
         return mine
 
     def _take(self, step: int) -> tuple[int, list, list]:
@@ -139,6 +158,20 @@ class RolloutService:
             taken = SampledStep.from_json(data)
         self.taken = (step, taken)
         return taken.version, [ids for ids, _ in taken.chunks], [lps for _, lps in taken.chunks]
+
+    def take_groups(self, step: int) -> list[int]:
+        """rollout.async: the stream positions of the groups step `step` trains on, oldest first,
+        on every rank (their samples wait for `sample_chunks`); a step run again gets the same."""
+        if self.taken is None or self.taken[0] != step:
+            taken = None
+            if self.stream is not None:
+                waited = self.stream.waited_s
+                taken = self.stream.take(step)
+                add_phases({"timing_s/wait_rollout": self.stream.waited_s - waited} | self.stream.metrics())
+            if dist.world_size() > 1:
+                taken = TakenGroups.from_json(dist.all_gather_json(taken.to_json() if taken is not None else None)[0])
+            self.taken = (step, taken)
+        return self.taken[1].groups
 
     def check(self, batch: RolloutBatch, trainer_logprobs: torch.Tensor) -> tuple[float, float, float]:
         """Guard one chunk: the trainer's log-probs [b, R] of the worker's samples (PPO's old
@@ -170,7 +203,9 @@ class RolloutService:
     def sync(self, actor: TrainEngine, version: int, step: int = 0) -> dict[str, float]:
         """Send the actor's weights (policy version `version`) to the worker; record both
         fingerprints; off-policy, first collect what the worker sampled ahead, and after them send
-        the probe of the new weights (`verify_sync`). A collective under ZeRO-3."""
+        the probe of the new weights (`verify_sync`). Asynchronously the worker takes them between
+        two generations (or two tokens: partial rollouts), the probe goes first after them and the
+        stream is topped up. A collective under ZeRO-3."""
         metrics: dict[str, float] = {}
         if self.lookahead is not None:  # the worker finishes the steps ahead with the old weights
             waited = self.lookahead.waited_s
@@ -194,8 +229,11 @@ class RolloutService:
         self.version = version
         if self.lookahead is not None:
             self.lookahead.version = version
-        if self.cfg.off_policy_steps:
+        if self.cfg.samples_ahead:
             self._submit_probe(step)
+        if self.stream is not None:
+            self.stream.version = version
+            self.stream.top_up()
         return metrics
 
     def _submit_probe(self, step: int) -> None:
@@ -209,6 +247,8 @@ class RolloutService:
         self.probe_metrics = {}
         if self.lookahead is not None:
             self.lookahead.submit_probe(self.probe[0], params, step_seed(seed, PROBE_STREAM))
+        elif self.stream is not None:  # ahead of the generations queued: sampled by these weights
+            self.probe_id = self.client.submit(self.probe[0], params, step_seed(seed, PROBE_STREAM), priority=True)
 
     def verify_sync(self, actor: TrainEngine) -> dict[str, float]:
         """Off-policy, before the update: the trainer's log-probs of the probe the worker sampled
@@ -222,8 +262,15 @@ class RolloutService:
             return dict(self.probe_metrics)
         started = time.monotonic()
         (prompts, params), sampled = self.probe, None
-        if self.lookahead is not None:
-            generation = self.lookahead.collect_probe()
+        if self.client is not None:
+            lookahead = self.lookahead
+            generation = lookahead.collect_probe() if lookahead is not None else self.client.collect(self.probe_id)
+            held = {v for row in generation.versions or [] for v in row}
+            if held - {self.version}:
+                raise RuntimeError(
+                    f"the weight-sync probe was sampled by policy version(s) {sorted(held)}, not the synced"
+                    f" {self.version}: the worker applied the weights out of turn"
+                )
             sampled = [generation.response_ids, generation.logprobs]
         if dist.world_size() > 1:
             sampled = dist.all_gather_json(sampled)[0]
@@ -245,6 +292,8 @@ class RolloutService:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (rank 0): the samples of every step not yet trained on, the one
         taken but not trained on too (a pause before the update commits its previous step)."""
+        if self.stream is not None:
+            return {"async": self.stream.state_dict()}
         if self.lookahead is None:
             return {}
         self.lookahead.drain()
@@ -265,12 +314,15 @@ PROBE_STREAM = 9  # the probe's seed stream, apart from the step's chunks
 
 @dataclass(frozen=True)
 class AheadStart:
-    """Where an off-policy run stands when its worker starts."""
+    """Where an off-policy or asynchronous run stands when its worker starts."""
 
-    plan: Callable[[int], StepPlan]  # step -> what the worker samples for it
+    plan: Callable[[int], StepPlan]  # step -> what the worker samples for it (async: its probe)
     last_step: int  # nothing past it is sampled
     version: int  # the actor's version: completed training steps (the resumed step)
-    buffer: dict[str, Any]  # Lookahead.state_dict() of the resumed checkpoint ({} when fresh)
+    buffer: dict[str, Any]  # RolloutService.state_dict() of the resumed checkpoint ({} when fresh)
+    prompt_of: Callable[[int], Sequence[int]] | None = None  # async: group -> its prompt's token ids
+    batch_groups: int = 1  # async: groups a step trains on (ppo.rollout_batch)
+    seed: int = 0  # async: the requests' seed stream
 
 
 def timed_call(fn: Callable[[], Any]) -> float:

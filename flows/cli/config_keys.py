@@ -80,7 +80,7 @@ def walk(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldI
     """(dotted key, field, is_leaf) of every field under `model`, in declaration order. A plain nested
     section is no leaf (its keys are); an optional or listed section is one, and its keys follow it."""
     for name, info in model.model_fields.items():
-        key = f"{prefix}{name}"
+        key = f"{prefix}{info.alias or name}"
         section, shape = _nested(info.annotation)
         yield key, info, section is None or shape != ""
         if section is not None:

@@ -23,14 +23,15 @@ from rlflow.engine.storage.checkpoint import CheckpointStore
 STEPS = 5
 
 # Checkpoints at 2, 4 and 5; each run dies at the next fault of its chain, the last one finishes.
+# Every kill lands after a commit, so each resume restores batches sampled ahead (a kill before the
+# first commit restarts from scratch; a kill inside the commit is the synchronous contract's table,
+# the same code: tests/scenarios/test_resume_contract.py).
 KILL_CHAINS = {
     1: [
-        "batch_received:2",  # sampled and scored, not trained: nothing committed yet
-        "weight_sync:2",  # the first tensor of the step's weights sent
-        "ckpt_manifest:2",
+        "batch_received:3",  # step 3's batch, sampled during step 2 and committed with it, not trained
         "rollout:generate:2",  # the restarted worker dies at its second request (rc 1, not a kill)
     ],
-    2: ["weight_sync:3"],  # after the commit of step 2: the resume needs both batches sampled ahead
+    2: ["weight_sync:3"],  # the first tensor of step 3's weights sent: the resume needs both batches ahead
 }
 
 

@@ -66,7 +66,7 @@ class Objective:
     overlong_buffer: int | None = None  # DAPO's soft overlong penalty (tokens); None: off
     overlong_penalty: float = 1.0  # reward units, at the length limit
     dynamic_sampling_max_tries: int | None = None  # DAPO's dynamic sampling; None: off
-    off_policy: bool = False  # rollout.off_policy_steps > 0: samples come from an older policy
+    off_policy: bool = False  # rollout.off_policy_steps > 0 or async: samples come from an older policy
 
     @classmethod
     def of(cls, config: Config) -> Objective:
@@ -88,7 +88,7 @@ class Objective:
             overlong_buffer=config.reward.overlong_buffer,
             overlong_penalty=config.reward.overlong_penalty,
             dynamic_sampling_max_tries=algorithm.dynamic_sampling_max_tries if algorithm.dynamic_sampling else None,
-            off_policy=config.rollout.off_policy_steps > 0,
+            off_policy=config.rollout.samples_ahead,
         )
 
     def shaped_scores(self, scores: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:

@@ -40,7 +40,7 @@ from rlflow.engine.models.loading import (
 from rlflow.engine.stages.rl.experience import Objective, PPOModels
 from rlflow.engine.models.lora import AdaptersOffView, lora_metrics
 from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
-from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan, run_evaluation
+from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan, run_evaluation, stream_prompts
 from rlflow.engine.backend.runtime import TrainEngine
 from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
 from rlflow.engine.stages.context import StageContext, StageOutcome
@@ -53,7 +53,7 @@ from rlflow.engine.seeds import step_seed
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_BUFFER_FILE = "rollout_buffer.json"  # rollout.off_policy_steps > 0: the steps sampled ahead
+ROLLOUT_BUFFER_FILE = "rollout_buffer.json"  # rollout.off_policy_steps > 0 or async: what was sampled ahead
 
 
 @dataclass(frozen=True)
@@ -207,10 +207,13 @@ def _start_rollout_service(
     log_path = os.path.join(tempfile.gettempdir(), f"rlflow-rollout-{ctx.identity[:12]}-rank{dist.rank()}.log")
     policy, devices, cfg = inputs.paths.policy, inputs.rollout_devices, inputs.rollout
     buffer = {}
-    if resume is not None and cfg.off_policy_steps and dist.is_main():
+    if resume is not None and cfg.samples_ahead and dist.is_main():
         buffer = ctx.store.read_json(resume, ROLLOUT_BUFFER_FILE)
     plan = rollout_plan(prompts, inputs.ppo, inputs.objective, ctx.seed, ctx.round_index, cfg.generate_batch)
-    ahead = AheadStart(plan, inputs.ppo.steps, resume or 0, buffer)
+    index_of = stream_prompts(len(prompts.token_ids), inputs.ppo, ctx.seed, ctx.round_index)
+    prompt_of = lambda group: prompts.token_ids[index_of(group)]  # noqa: E731
+    stream_seed = step_seed(ctx.seed, ctx.round_index, 12)
+    ahead = AheadStart(plan, inputs.ppo.steps, resume or 0, buffer, prompt_of, inputs.ppo.rollout_batch, stream_seed)
     return RolloutService.start(cfg, policy, models.tokenizer, models.actor, log_path, devices, ahead)
 
 
@@ -332,7 +335,7 @@ def _commit(
     if models.critic is not None:
         engines["critic"] = (models.critic, None)
     files = {}
-    if models.rollout is not None and models.rollout.cfg.off_policy_steps:  # the batches sampled ahead
+    if models.rollout is not None and models.rollout.cfg.samples_ahead:  # what was sampled ahead
         files[ROLLOUT_BUFFER_FILE] = models.rollout.state_dict()
     return save_checkpoint(
         ctx,

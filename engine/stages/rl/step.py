@@ -8,6 +8,7 @@ between them.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -255,7 +256,11 @@ def ppo_step(
         single = single_pass_possible(models, cfg, update_actor, objective.group_size)
 
         def sample(attempt: int) -> ScoredRollout:
-            draw = step_draw(prompts, cfg.rollout_batch, objective.group_size, step, seed, round_index, attempt)
+            if models.rollout is not None and models.rollout.cfg.async_:  # the groups the stream holds
+                index_of = stream_prompts(len(prompts.token_ids), cfg, seed, round_index)
+                draw = stream_draw(prompts, index_of, models.rollout.take_groups(step), objective.group_size)
+            else:
+                draw = step_draw(prompts, cfg.rollout_batch, objective.group_size, step, seed, round_index, attempt)
             return sample_and_score(
                 models, objective.sampling, draw.rows, draw.seed, generate_batch, step, draw.records, from_update=single
             )
@@ -267,7 +272,7 @@ def ppo_step(
             pad, tries = models.tokenizer.pad_token_id, objective.dynamic_sampling_max_tries
             rollout, sampled_metrics = sample_informative(sample, objective, cfg.rollout_batch, tries, pad)
         if rollout.batch.sampled_versions is not None:  # asserts the bound on every row trained on
-            bound = models.rollout.cfg.off_policy_steps
+            bound = models.rollout.cfg.staleness_bound
             sampled_metrics |= staleness_metrics(rollout.batch.sampled_versions, step - 1, bound)
         if models.rollout is not None:  # off-policy: the last weight sync's probe, before the weights move
             sampled_metrics |= models.rollout.verify_sync(models.actor)
@@ -322,6 +327,23 @@ def step_draw(
     index = [i for i in index for _ in range(group_size)]
     rows = [prompts.token_ids[i] for i in index]
     return StepDraw(rows, [prompts.records[i] for i in index], step_seed(seed, round_index, step, 4, *extra))
+
+
+def stream_prompts(n_prompts: int, cfg: PPOConfig, seed: int, round_index: int) -> Callable[[int], int]:
+    """rollout.async's group stream: group g -> the index of its prompt, the prompt a synchronous
+    run draws at position g % B of step g // B + 1 (B = ppo.rollout_batch)."""
+
+    @functools.lru_cache(maxsize=8)
+    def drawn(step: int) -> list[int]:
+        return batch_indices(n_prompts, cfg.rollout_batch, step, seed, round_index, 3)
+
+    return lambda group: drawn(group // cfg.rollout_batch + 1)[group % cfg.rollout_batch]
+
+
+def stream_draw(prompts: PromptSet, prompt_index: Callable[[int], int], groups: list[int], group_size: int) -> StepDraw:
+    """The draw of the stream's `groups` (the seed is unused: their samples come from the worker)."""
+    index = [prompt_index(g) for g in groups for _ in range(group_size)]
+    return StepDraw([prompts.token_ids[i] for i in index], [prompts.records[i] for i in index], 0)
 
 
 def rollout_plan(

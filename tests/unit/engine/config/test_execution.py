@@ -83,3 +83,26 @@ def test_off_policy_steps_default_to_synchronous_and_need_a_rollout_worker():
     fix = r"rollout.off_policy_steps=1 .* needs rollout.mode=server \(got colocated\); set rollout.mode=server"
     with pytest.raises(ConfigError, match=fix):
         build_config({"rollout": {"off_policy_steps": 1}}, "t")
+
+
+def test_async_rollout_is_spelled_async_needs_a_worker_and_refuses_what_it_cannot_run():
+    from rlflow.engine.config.schema import build_config, to_yaml
+    from rlflow.engine.errors import ConfigError
+
+    assert (RolloutConfig().async_, RolloutConfig().max_staleness, RolloutConfig().partial_rollouts) == (False, 1, False)
+    server = {"mode": "server"}
+    on = build_config({"rollout": server | {"async": True, "partial_rollouts": True, "max_staleness": 3}}, "t")
+    assert (on.rollout.async_, on.rollout.staleness_bound, on.rollout.samples_ahead) == (True, 3, True)
+    assert "async: true" in to_yaml(on)  # dumped as typed, so a saved config loads again
+    assert build_config({"rollout": server | {"off_policy_steps": 2}}, "t").rollout.staleness_bound == 2
+    refusals = {
+        "needs rollout.mode=server \\(got colocated\\); set rollout.mode=server": {"async": True},
+        "two schedules of the worker: keep one": server | {"async": True, "off_policy_steps": 1},
+        "partial_rollouts=true continues .* set rollout.async=true": server | {"partial_rollouts": True},
+        "not supported by rollout.server_backend=vllm yet": server
+        | {"async": True, "partial_rollouts": True, "server_backend": "vllm"},
+        "unknown key 'rollout.async_' in rollout; valid keys: async, bucket_mb": {"async_": True},
+    }
+    for message, rollout in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            build_config({"rollout": rollout}, "t")

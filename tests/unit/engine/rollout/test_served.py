@@ -25,3 +25,12 @@ def test_a_short_response_without_eos_is_refused_with_the_cause(small_assets):
     tokenizer = load_tokenizer(str(small_assets / "tiny-model"))
     with pytest.raises(RolloutWorkerError, match=r"2-token response without EOS \(max_new_tokens=3\).*eos_token_id"):
         build_rollout_batch(tokenizer, [[1]], Generation([[7, 8]], [[-1.0, -1.0]]), max_new_tokens=3)
+
+
+def test_a_row_is_as_old_as_its_oldest_token(small_assets):
+    tokenizer = load_tokenizer(str(small_assets / "tiny-model"))
+    eos = tokenizer.eos_token_id
+    generation = Generation([[7, eos], [8, 9, 5]], [[-0.5, -0.25], [-1.0, -2.0, -3.0]], [[3, 4], [4, 4, 4]])
+    assert build_rollout_batch(tokenizer, [[1], [3]], generation, 3).sampled_versions.tolist() == [3, 4]
+    assert build_rollout_batch(tokenizer, [[1], [3]], generation, 3, version=2).sampled_versions.tolist() == [2, 2]
+    assert build_rollout_batch(tokenizer, [[1], [3]], generation._replace(versions=None), 3).sampled_versions is None

@@ -1,0 +1,132 @@
+"""rollout.async: the worker samples on while PPO trains, weights go to it mid-stream (partial
+rollouts on), and a run SIGKILLed at random moments keeps the three promises of resume.
+
+PPO (with its critic) runs as `python -m rlflow.engine.stages.worker` subprocesses with an `hf`
+rollout worker. Each run but the last is SIGKILLed at a random moment after a checkpoint newer
+than the one it resumed from: once the trainer (its worker then exits by itself), once the rollout
+worker (the trainer then stops with an error naming it), in random order; the last run finishes.
+Checked on what the runs logged and on every checkpoint's buffer (engine/rollout/streaming.py):
+- nothing trained on in a committed step is trained on again;
+- every group a resumed checkpoint held is trained on (or dropped as too stale) afterwards, and
+  what was in flight at it is counted in rollout/discarded_on_resume;
+- the staleness bound holds on every trained row, right after each restart too.
+"""
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+from conftest import small_config_tree
+from helpers.stage_ctx import make_call
+from helpers.stage_worker import finish_worker, start_worker
+from rlflow.engine.rollout.streaming import from_ranges
+from rlflow.engine.stages.rl.stage import ROLLOUT_BUFFER_FILE
+from rlflow.engine.storage.checkpoint import CheckpointStore
+
+STEPS, STALENESS, BATCH = 8, 1, 8
+
+
+def tree(assets: Path, root: Path) -> dict:
+    return small_config_tree(
+        assets,
+        root,
+        ppo={"steps": STEPS, "log_every": 1, "rollout_batch": BATCH, "mini_batch": BATCH},
+        rollout={
+            "mode": "server",
+            "async": True,
+            "max_staleness": STALENESS,
+            "partial_rollouts": True,
+            "generate_batch": 4,
+            "bucket_mb": 0.05,
+            "threads": 1,
+        },
+        checkpoint={"every_steps": 1, "keep_last": STEPS, "consolidate_every": 100},
+        run={"threads": 1},
+    )
+
+
+def call(root: Path, trained):
+    sft_dir, rm_dir, norm = trained
+    paths = {"policy": sft_dir, "reference": sft_dir, "sft": sft_dir, "reward_model": rm_dir}
+    return make_call(root, "ppo", ppo_inputs=paths | {"score_norm": list(norm), "critic": rm_dir})
+
+
+def rollout_worker_pid(trainer_pid: int) -> int | None:
+    for child in Path(f"/proc/{trainer_pid}/task/{trainer_pid}/children").read_text().split():
+        if b"worker_session" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return int(child)
+    return None
+
+
+def kill_after_a_checkpoint(proc, store: CheckpointStore, newer_than: int, victim: str, delay_s: float) -> None:
+    """SIGKILL the trainer `proc` or its rollout worker `delay_s` after the trainer commits a step
+    past `newer_than` (nothing if it ended first). A step takes ~0.2 s here."""
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and (store.latest() or 0) <= newer_than and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(delay_s)
+    try:
+        pid = proc.pid if victim == "trainer" else rollout_worker_pid(proc.pid)
+        if pid is not None and proc.poll() is None:
+            os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):  # it finished meanwhile
+        pass
+
+
+def buffer_at(store: CheckpointStore, step: int) -> dict:
+    return store.read_json(step, ROLLOUT_BUFFER_FILE)["async"]
+
+
+def test_an_async_run_killed_at_random_moments_loses_nothing_committed_and_repeats_nothing(
+    small_assets, trained, tmp_path
+):
+    seed = int.from_bytes(os.urandom(4))  # other moments on every run of the test: named on failure
+    rng, seed_note = random.Random(seed), f"kill delays of random.Random({seed})"
+    stage_call, stage_tree = call(tmp_path, trained), tree(small_assets, tmp_path)
+    store = CheckpointStore(stage_call.store_url)
+    logged, resumed_at = [], []
+    for victim in [*rng.sample(["trainer", "worker"], 2), None]:
+        resumed_at.append(store.latest())
+        proc = start_worker(tmp_path, stage_tree, stage_call, None)
+        if victim is not None:
+            kill_after_a_checkpoint(proc, store, resumed_at[-1] or 0, victim, rng.uniform(0.0, 0.6))
+        rc, metrics, err = finish_worker(proc)
+        logged.append([(s, m) for s, m in metrics if "actor/kl" in m])  # the training steps' events
+        if rc == 0:
+            break
+        if victim == "trainer":
+            assert rc == -signal.SIGKILL, f"{seed_note}: exit {rc}\n{err}"
+        else:  # the trainer sees its worker die and stops with an error naming it, no hang
+            assert rc not in (0, -signal.SIGKILL) and "rollout worker" in err, f"{seed_note}: exit {rc}\n{err}"
+    assert rc == 0, f"{seed_note}: {err}"
+    assert any(start is not None for start in resumed_at[1:]), "no run resumed from a checkpoint"
+
+    final = buffer_at(store, STEPS)
+    trained_groups = from_ranges(final["fates"]["trained"])
+    # 1. nothing trained twice; every step trained B groups
+    assert len(trained_groups) == len(set(trained_groups)) == STEPS * BATCH, seed_note
+    # every group before the stream position has exactly one fate; none is sampled past the last step
+    accounted = trained_groups + [g for f in ("dropped", "discarded") for g in from_ranges(final["fates"][f])]
+    assert sorted(accounted) == list(range(final["next_group"])), seed_note
+    assert final["ready"] == [] and final["in_flight"] == [], seed_note
+    for run, start in zip(logged[1:], resumed_at[1:]):
+        if start is None:
+            continue
+        held = buffer_at(store, start)
+        # 2. what the resumed checkpoint committed is trained on later, what it had in flight is counted
+        for group in held["ready"]:
+            assert set(group["groups"]) <= set(trained_groups) | set(from_ranges(final["fates"]["dropped"]))
+        lost = len(from_ranges(held["in_flight"]))
+        if run:  # (a run killed before its first step's event logged nothing)
+            assert {m["rollout/discarded_on_resume"] for _, m in run} == {float(lost)}, seed_note
+        assert set(from_ranges(held["in_flight"])) <= set(from_ranges(final["fates"]["discarded"]))
+    # 3. the bound on every trained row (the stage raises if a row exceeds it), restarts included
+    steps = [(s, m) for run in logged for s, m in run]
+    assert steps and all(m["rollout/staleness_max"] <= STALENESS for _, m in steps), seed_note
+    assert all(m["rollout/logprob_diff_max"] < 1e-4 for _, m in steps)  # the probe after every sync
+    assert any(m["rollout/staleness_max"] >= 1 for _, m in steps)  # sampled ahead, really
+    print(json.dumps({"resumed_at": resumed_at, "steps": len(steps), "seed": seed}))
+
