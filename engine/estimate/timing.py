@@ -96,17 +96,28 @@ HOST_ADAM_GBS = 10.0
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per step, by phase (the phases run one after another)."""
+    """Seconds per step, by phase: one after another, or with generation beside the rest
+    (`overlapped`: the sampler on GPUs of its own samples the next batch while this one trains)."""
 
     generation: float  # prefill + decoding of the rollout batch (0 for DPO)
     scoring: float  # old log-probs, reference log-probs, values, reward scores (0 for DPO)
     training: float  # actor (and critic) forward + backward, all epochs; DPO: the policy's
     optimizer: float  # Adam steps (on the host when offloaded)
     communication: float  # ZeRO collectives, offload copies, weight sync to a vLLM server
+    overlapped: bool = False
+
+    @property
+    def sequential(self) -> float:
+        """The step with no overlap (synchronous sampling)."""
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "overlapped")
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        """Overlapped, the slower side bounds the step: the sampler's generation or the trainer's
+        scoring, training, optimizer and communication (a steady state with a full buffer)."""
+        if not self.overlapped:
+            return self.sequential
+        return max(self.generation, self.sequential - self.generation)
 
 
 def forward_flops(flop_params: int, shape: ModelShape, rows: int, tokens: int) -> float:
@@ -276,7 +287,8 @@ def estimate_step_time(w: Workload, s: Strategy, device: DeviceSpec, mem: Memory
     generation, generation_comm = generation_seconds(w, s, device, mem)
     scoring, scoring_comm = scoring_seconds(w, s, device)
     training, optimizer, training_comm = training_seconds(w, s, device)
-    return StepTime(generation, scoring, training, optimizer, generation_comm + scoring_comm + training_comm)
+    comm = generation_comm + scoring_comm + training_comm
+    return StepTime(generation, scoring, training, optimizer, comm, overlapped=w.overlap and w.rollout_gpus > 0)
 
 
 def dpo_reference_seconds(w: DPOWorkload, s: Strategy, device: DeviceSpec) -> float:

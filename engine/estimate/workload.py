@@ -155,6 +155,8 @@ class Workload:
     max_tokens_per_microbatch: int | None = None
     rollout_engine: str = "hf"  # a ROLLOUT_ENGINES name; "vllm" = rollout.mode server with vLLM
     rollout_gpus: int = 0  # GPUs only the vLLM server uses (placement.rollout minus placement.train)
+    # rollout.async or off_policy_steps > 0: with rollout_gpus, the server samples beside training
+    overlap: bool = False
     algorithm: str = "ppo"  # a key of RL_ALGORITHMS (algorithm.name)
     samples_per_prompt: int = 1  # rollout.n
     extra_rewards: tuple[ModelShape, ...] = ()  # reward.sources models with a path: frozen scalar models

@@ -115,7 +115,8 @@ class RolloutService:
     ) -> dict[int, RolloutBatch]:
         """chunks: (chunk index, prompts, seed) of the whole step, the same list on every rank.
         Returns this rank's chunks (index c with c % world == rank) as RolloutBatches. Off-policy,
-        the samples are the lookahead's for `step` (sampled to the same plan, by an older version)."""
+        the samples are the lookahead's for `step` (sampled to the same plan, by an older version);
+        asynchronously, those of the groups `take_groups(step)` took (each row as old as its oldest token)."""
         from rlflow.engine.rollout.served import build_rollout_batch
         from rlflow.engine.rollout.worker_samples import Generation
 

@@ -197,6 +197,7 @@ def build_inputs(
         max_tokens_per_microbatch=eng.max_tokens_per_microbatch,
         rollout_engine=engine,
         rollout_gpus=rollout_gpus,
+        overlap=config.rollout.samples_ahead,
         algorithm=config.algorithm.name,
         samples_per_prompt=config.rollout.n,
         kl_in_loss=config.kl.placed_in_loss(config.algorithm.name),
@@ -369,6 +370,11 @@ def _estimate_lines(e: Estimate) -> list[str]:
             continue  # DPO samples and scores nothing per step
         lines.append(f"    {name:<30}{getattr(e.step, key):12.3f}")
     lines.append(f"    {'total':<30}{e.step.total:12.3f}")
+    if e.step.overlapped:  # rollout.async / off_policy_steps with the vLLM server on GPUs of its own
+        lines.append(
+            f"  generation beside training: {e.step.total:.3g} s/step against {e.step.sequential:.3g} s synchronous"
+            f" ({e.step.sequential / e.step.total:.2f}x)"
+        )
     if e.setup_s:
         lines.append(f"  reference pass, once: {e.setup_s:.3f} s")
     lines.append(
@@ -411,7 +417,7 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
         "host_ram_gib_per_node": e.memory.cpu_ram_per_node / GIB,
         "rollout_gpu_gib": e.memory.rollout_gpu_bytes / GIB,
         "rollout_concurrency": e.memory.rollout_concurrency,
-        "step_seconds": asdict(e.step) | {"total": e.step.total},
+        "step_seconds": asdict(e.step) | {"total": e.step.total, "sequential": e.step.sequential},
         "setup_seconds": e.setup_s,
         "steps": e.steps,
         "total_hours": e.total_hours,

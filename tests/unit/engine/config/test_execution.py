@@ -89,7 +89,8 @@ def test_async_rollout_is_spelled_async_needs_a_worker_and_refuses_what_it_canno
     from rlflow.engine.config.schema import build_config, to_yaml
     from rlflow.engine.errors import ConfigError
 
-    assert (RolloutConfig().async_, RolloutConfig().max_staleness, RolloutConfig().partial_rollouts) == (False, 1, False)
+    default = RolloutConfig()
+    assert (default.async_, default.max_staleness, default.partial_rollouts) == (False, 1, False)
     server = {"mode": "server"}
     on = build_config({"rollout": server | {"async": True, "partial_rollouts": True, "max_staleness": 3}}, "t")
     assert (on.rollout.async_, on.rollout.staleness_bound, on.rollout.samples_ahead) == (True, 3, True)

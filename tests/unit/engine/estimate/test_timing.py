@@ -2,7 +2,7 @@
 compute cost of gradient checkpointing, on reference shapes and configs/prices.yaml devices.
 """
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from rlflow.engine.estimate.model_shape import (
 )
 from rlflow.engine.estimate.timing import (
     DECODE_ENGINES,
+    estimate_step_time,
     forward_flops,
     generation_seconds,
     training_seconds,
@@ -26,6 +27,7 @@ from rlflow.engine.estimate.workload import Strategy
 ROOT = Path(__file__).parents[4]
 PRICES = load_price_book(ROOT / "configs" / "prices.yaml")
 A100 = device_spec(PRICES, "a100-80g")
+PHASES = ("generation", "scoring", "training", "optimizer", "communication")
 LLAMA_8B = REFERENCE_SHAPES["Llama-3.1-8B"]
 
 
@@ -54,3 +56,20 @@ def test_gradient_checkpointing_costs_a_third_more_training_compute():
     plain = training_seconds(w, Strategy(3, 8), A100)[0]
     checkpointed = training_seconds(w, Strategy(3, 8, gradient_checkpointing=True), A100)[0]
     assert checkpointed / plain == pytest.approx(4 / 3, rel=0.01)
+
+
+def test_sampling_beside_training_costs_the_slower_side_only_with_a_server_of_its_own():
+    shape = LLAMA_8B
+    sync = workload(shape, rollout_engine="vllm", rollout_gpus=1)
+    overlapped = replace(sync, overlap=True)
+    memory = estimate_memory(sync, Strategy(3, 7), A100)
+    a = estimate_step_time(sync, Strategy(3, 7), A100, memory)
+    b = estimate_step_time(overlapped, Strategy(3, 7), A100, memory)
+    assert not a.overlapped and a.total == a.sequential == pytest.approx(sum(asdict(a)[k] for k in PHASES))
+    assert b.overlapped and b.sequential == a.sequential
+    assert b.total == pytest.approx(max(b.generation, b.scoring + b.training + b.optimizer + b.communication))
+    assert b.total < a.total
+    # on the training GPUs (no GPUs of its own) the sampler cannot run beside training
+    shared = replace(overlapped, rollout_gpus=0)
+    memory = estimate_memory(shared, Strategy(3, 7), A100)
+    assert not estimate_step_time(shared, Strategy(3, 7), A100, memory).overlapped
