@@ -2,9 +2,11 @@
 rollouts on), and a run SIGKILLed at random moments keeps the three promises of resume.
 
 PPO (with its critic) runs as `python -m rlflow.engine.stages.worker` subprocesses with an `hf`
-rollout worker. Each run but the last is SIGKILLed at a random moment after a checkpoint newer
-than the one it resumed from: once the trainer (its worker then exits by itself), once the rollout
-worker (the trainer then stops with an error naming it), in random order; the last run finishes.
+rollout worker. The first run is SIGKILLed at a random moment after its first checkpoint: the
+trainer (its worker then exits by itself) or the rollout worker (the trainer then stops with an
+error naming it), chosen at random; the second run resumes and finishes. (One kill: the suite's
+time budget; the scripted-stream tests in tests/unit/engine/rollout/test_streaming.py resume
+from every kind of buffer state.)
 Checked on what the runs logged and on every checkpoint's buffer (engine/rollout/streaming.py):
 - nothing trained on in a committed step is trained on again;
 - every group a resumed checkpoint held is trained on (or dropped as too stale) afterwards, and
@@ -88,7 +90,8 @@ def test_an_async_run_killed_at_random_moments_loses_nothing_committed_and_repea
     stage_call, stage_tree = call(tmp_path, trained), tree(small_assets, tmp_path)
     store = CheckpointStore(stage_call.store_url)
     logged, resumed_at = [], []
-    for victim in [*rng.sample(["trainer", "worker"], 2), None]:
+    victims = [rng.choice(["trainer", "worker"]), None]
+    for victim in victims:
         resumed_at.append(store.latest())
         proc = start_worker(tmp_path, stage_tree, stage_call, None)
         if victim is not None:
@@ -128,5 +131,5 @@ def test_an_async_run_killed_at_random_moments_loses_nothing_committed_and_repea
     assert steps and all(m["rollout/staleness_max"] <= STALENESS for _, m in steps), seed_note
     assert all(m["rollout/logprob_diff_max"] < 1e-4 for _, m in steps)  # the probe after every sync
     assert any(m["rollout/staleness_max"] >= 1 for _, m in steps)  # sampled ahead, really
-    print(json.dumps({"resumed_at": resumed_at, "steps": len(steps), "seed": seed}))
+    print(json.dumps({"resumed_at": resumed_at, "killed": victims[0], "steps": len(steps), "seed": seed}))  # with -s: what ran
 
