@@ -315,7 +315,7 @@ def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: Stage
     )
     gold = load_bound_function(config.gold, "gold.fn")
     sampling = config.sampling.params(greedy=config.eval.greedy)
-    stage_inputs = EvalStageInputs(eval_inputs, config.model, config.data, config.eval, sampling, gold)
+    stage_inputs = EvalStageInputs(eval_inputs, config.model, config.data, config.eval, sampling, gold, config.env)
     return _run_tracked(
         config,
         spec,

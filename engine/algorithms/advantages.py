@@ -162,32 +162,33 @@ def compute_gae_advantages(
     gamma: float,
     lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised Advantage Estimation (Schulman et al. 2016) over response tokens.
+    """Generalised Advantage Estimation (Schulman et al. 2016) over the model's own tokens.
 
-    token_rewards, values, response_mask: [B, T]; real tokens are a contiguous prefix of
-    each row. The value after the last real token is bootstrapped as 0 (the episode ends).
-    Returns (advantages, returns), both [B, T], in reward units; returns = advantages +
-    values. Both are 0 where the mask is 0. Outputs are detached: they are regression and
-    policy-gradient targets, never something to backpropagate through.
+    token_rewards, values, response_mask: [B, T]. Where the mask has gaps (a multi-turn
+    trajectory's observation tokens, which the model did not choose) the recursion steps from
+    each real token to the next real one, so the result equals GAE on the row with the gaps
+    removed; a contiguous prefix is the usual single-turn case. The value after the last real
+    token is bootstrapped as 0 (the episode ends). Returns (advantages, returns), both [B, T], in
+    reward units; returns = advantages + values. Both are 0 where the mask is 0. Outputs are
+    detached: they are regression and policy-gradient targets, never something to backpropagate
+    through.
     """
     require_same_shape(token_rewards=token_rewards, values=values, response_mask=response_mask)
     keep = response_mask.bool()
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     rewards = torch.where(keep, token_rewards.detach(), zero)
     vals = torch.where(keep, values.detach(), zero)
-    keep_f = keep.to(values.dtype)
 
-    num_tokens = values.shape[-1]
     advantages_reversed = []
+    # The value and advantage of the next real token: 0 past a row's last one.
+    next_value = torch.zeros_like(vals[:, 0])
     next_advantage = torch.zeros_like(vals[:, 0])
-    for t in reversed(range(num_tokens)):
-        # "Next token is real" gates both the bootstrap value and the recursion, so the
-        # return is cut off exactly at the end of each row's response.
-        next_is_real = keep_f[:, t + 1] if t + 1 < num_tokens else torch.zeros_like(next_advantage)
-        next_value = vals[:, t + 1] if t + 1 < num_tokens else torch.zeros_like(next_advantage)
-        delta = rewards[:, t] + gamma * next_value * next_is_real - vals[:, t]
-        next_advantage = delta + gamma * lam * next_is_real * next_advantage
-        advantages_reversed.append(next_advantage)
+    for t in reversed(range(values.shape[-1])):
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages_reversed.append(advantage)
+        next_advantage = torch.where(keep[:, t], advantage, next_advantage)
+        next_value = torch.where(keep[:, t], vals[:, t], next_value)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     advantages = torch.where(keep, advantages, zero)
     returns = torch.where(keep, advantages + vals, zero)

@@ -94,8 +94,9 @@ def compute_token_rewards(
     """Per-token PPO reward: -kl_coef * kl on every response token, plus the sequence score
     added on the last real response token of each row.
 
-    scores: [B] reward-model score per sequence; kl, response_mask: [B, T] (mask is a
-    contiguous prefix per row). Returns [B, T] in reward units, 0 where the mask is 0.
+    scores: [B] reward-model score per sequence; kl, response_mask: [B, T] (a contiguous prefix per
+    row, or with gaps where a multi-turn row's observations sit; the score goes on the last 1).
+    Returns [B, T] in reward units, 0 where the mask is 0.
     Raises ValueError if a row has no response token, since its score would be lost.
     """
     require_same_shape(kl=kl, response_mask=response_mask)
@@ -106,7 +107,8 @@ def compute_token_rewards(
         raise ValueError("every row needs at least one response token to carry its score")
     zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
     rewards = torch.where(response_mask.bool(), -kl_coef * kl, zero)
-    last_index = (lengths - 1).unsqueeze(-1)
+    positions = torch.arange(response_mask.shape[-1], device=kl.device)
+    last_index = torch.where(response_mask.bool(), positions, -1).amax(-1, keepdim=True)
     return rewards.scatter_add(-1, last_index, scores.to(kl.dtype).unsqueeze(-1))
 
 

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rlflow.engine.config.base import FunctionRef, Section, function_ref
+from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.config.execution import (
     AlertsConfig,
     CheckpointConfig,
@@ -145,6 +146,9 @@ class Config(Section):
     """A webhook called on a KL breach or a reward failure."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """What the RL stage's reward is made of, and what happens when a source fails."""
+    env: EnvConfig | None = None
+    """The environment each RL prompt becomes an episode of (multi-turn, tool use; docs/environments.md);
+    its final answer is what the reward sources score. None: single-turn, one response per prompt."""
     callbacks: list[str] = Field(default_factory=list)
     """The "package.module:function"s called with every logged step (engine/telemetry/progress.py StepEvent);
     a returned {name: number} is logged as extra metrics of that step."""
@@ -153,6 +157,28 @@ class Config(Section):
     @classmethod
     def _function_refs(cls, refs: list[str]) -> list[str]:
         return [function_ref(ref) for ref in refs]
+
+    @model_validator(mode="after")
+    def _env_fits(self) -> Config:
+        if self.env is None:
+            return self
+        refusals = [
+            (self.algorithm.name == "dpo", "algorithm.name=dpo trains on preference pairs, not episodes; use an RL"
+            " algorithm (ppo, grpo, rloo, reinforce_pp) or remove env"),
+            (self.rollout.mode == "server", "env with rollout.mode=server is not supported yet (so neither are"
+            " rollout.off_policy_steps and rollout.async): episodes run in the trainer's process; set"
+            " rollout.mode=colocated"),
+            (self.engine.backend == "deepspeed" and self.engine.zero_stage == 3, "env with engine.zero_stage=3 is not"
+            " supported yet (ZeRO-3's sampling runs every rank in lockstep); use zero_stage 1 or 2"),
+            (self.reward.overlong_buffer is not None, "reward.overlong_buffer ramps over one response's"
+            " sampling.max_new_tokens; an env episode has several turns: remove reward.overlong_buffer or env"),
+            (self.data.chat_template == "none", "env needs the tokenizer's chat template to write the turns"
+            " (data.chat_template=none); set data.chat_template=auto"),
+        ]
+        for refused, message in refusals:
+            if refused:
+                raise ValueError(message)
+        return self
 
     @model_validator(mode="after")
     def _lora_needs_torch_backend(self) -> Config:

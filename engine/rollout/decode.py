@@ -305,6 +305,28 @@ class _ModelSteps:
         return self._logits(token[:, None], slot)
 
 
+def open_steps(model: torch.nn.Module, attention: torch.Tensor, new_tokens: int, synced: bool = False):
+    """The cached forward the loops run over left-padded prompts (`attention` [B, P], on the model's
+    device) and up to `new_tokens` more positions: `.prefill(ids [B, P])`, then `.step(token [B],
+    slot)` for slots P, P+1, ..., each returning the last position's logits [B, V]."""
+    width = attention.shape[1]
+    prompt_positions = (attention.cumsum(1) - 1).clamp(min=0)
+    new_positions = prompt_positions[:, -1:] + torch.arange(1, new_tokens + 1, device=attention.device)
+    positions = torch.cat([prompt_positions, new_positions], 1)
+    fast = not synced and unsupported_reason(model) is None
+    return (_FastSteps if fast else _ModelSteps)(model, attention, positions, width + new_tokens)
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, draw: SeededDraw):
+    """(token [B] int64, its log-prob [B] under softmax(logits / T), before top-p); T = 0 is greedy."""
+    scaled = logits.float() / temperature if temperature > 0 else logits.float()
+    if temperature > 0:  # HF generate's draw, on a generator seeded as its global one would be
+        token = draw(filter_top_p(scaled, top_p).softmax(-1))
+    else:
+        token = scaled.argmax(-1)
+    return token, scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
+
+
 def _all_done(done: torch.Tensor, synced: bool) -> bool:
     if not synced:
         return bool(done.all())
@@ -339,23 +361,15 @@ def decode(
     batch, width = ids.shape
     device = next(model.parameters()).device
     ids, attention = ids.to(device), attention.to(device)
-    prompt_positions = (attention.cumsum(1) - 1).clamp(min=0)
-    new_positions = prompt_positions[:, -1:] + torch.arange(1, max_new_tokens + 1, device=device)
-    positions = torch.cat([prompt_positions, new_positions], 1)
-    fast = not synced and unsupported_reason(model) is None
-    steps = (_FastSteps if fast else _ModelSteps)(model, attention, positions, width + max_new_tokens)
+    steps = open_steps(model, attention, max_new_tokens, synced)
     logits = steps.prefill(ids)
     draw = SeededDraw(seed, device)
     stops = torch.tensor(list(stop_ids), device=device, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logprobs = [], []
     for step in range(max_new_tokens):
-        scaled = logits.float() / temperature if temperature > 0 else logits.float()
-        if temperature > 0:  # HF generate's draw, on a generator seeded as its global one would be
-            token = draw(filter_top_p(scaled, top_p).softmax(-1))
-        else:
-            token = scaled.argmax(-1)
-        logprobs.append(scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
+        token, logprob = next_token(logits, temperature, top_p, draw)
+        logprobs.append(logprob)
         token = torch.where(done, torch.full_like(token, pad_id), token)
         tokens.append(token)
         done |= torch.isin(token, stops)

@@ -17,6 +17,7 @@ from rlflow.engine.data.records import PromptRecord, encode_prompts, format_prom
 from rlflow.engine.errors import DataError
 from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
+from rlflow.engine.rollout.episodes import EpisodeSampler
 from rlflow.engine.rollout.generate import batched_logprobs, generate_rollouts
 
 
@@ -53,6 +54,7 @@ def evaluate_policy(
     batch_size: int = 128,
     n_samples: int = 12,
     generate_kwargs: dict[str, Any] | None = None,
+    episodes: EpisodeSampler | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Sample one answer per prompt and measure it. Returns (metrics, sample rows).
 
@@ -61,14 +63,19 @@ def evaluate_policy(
 
     Metrics: eval/gold_score (+ _stderr and eval/gold/<component>), eval/rm_score, eval/kl and
     eval/kl_to_sft (token-mean k3 estimate on the sampled tokens), eval/response_length (tokens),
-    eval/distinct_2 (pooled over all answers' words), eval/valid_fraction.
+    eval/distinct_2 (pooled over all answers' words), eval/valid_fraction. With `episodes` each
+    prompt is an episode, scored on its final answer, and eval/env/* counts its turns and tool calls
+    (the KL and length are over the model's tokens of every turn).
     """
     texts: list[str] = []
     per_row: list[torch.Tensor] = []  # [b, 4] per chunk: rm score, kl to reference, kl to sft, length
     for c, real in dist.rank_chunks(len(prompts.token_ids), batch_size):
         start = c * batch_size
         chunk = prompts.token_ids[start : start + batch_size]
-        batch = generate_rollouts(policy, tokenizer, chunk, sampling, seed + start, **(generate_kwargs or {}))
+        if episodes is not None:
+            batch = episodes.sample(policy, prompts.records[start : start + batch_size], sampling, seed + start)
+        else:
+            batch = generate_rollouts(policy, tokenizer, chunk, sampling, seed + start, **(generate_kwargs or {}))
         rows = len(chunk)
         temperature = sampling.temperature or 1.0  # greedy answers: KL of the untempered distributions
         logprobs = batched_logprobs(policy, batch, temperature, chunk=rows)
@@ -106,6 +113,8 @@ def evaluate_policy(
     }
     if models.reward_model is not None:
         metrics["eval/rm_score"] = float(torch.cat(rm).mean())
+    if episodes is not None:
+        metrics |= episodes.metrics("eval/env/")
     metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
     rows = [
         {

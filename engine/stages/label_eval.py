@@ -12,11 +12,13 @@ from rlflow.engine.data.batching import batch_indices
 from rlflow.engine.config.schema import DataConfig
 from rlflow.engine.config.stages import EvalConfig
 from rlflow.engine.config.model import ModelConfig
+from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.data.records import PromptRecord, load_prompts
 from rlflow.engine.rewards.model_scores import ScoringModels
 from rlflow.engine.stages.evaluation import encode_prompt_set, evaluate_policy
 from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.rollout.episodes import EpisodeSampler
 from rlflow.engine.rollout.generate import generate_rollouts
 from rlflow.engine.stages.context import StageContext, StageOutcome
 from rlflow.engine.stages.lifecycle import completed_outcome, finish
@@ -141,6 +143,7 @@ class EvalStageInputs:
     eval: EvalConfig
     sampling: SamplingParams  # eval.sampling(ppo): greedy with eval.greedy
     gold: Callable[..., Any]  # gold.fn, bound to its kwargs
+    env: EnvConfig | None = None  # env.*: each prompt is an episode of this environment, scored on its answer
 
 
 def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOutcome:
@@ -165,6 +168,7 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
         tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
     )
     results: dict[str, Any] = {}
+    episodes = None if stage_inputs.env is None else EpisodeSampler(stage_inputs.env, tokenizer)
     for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):
         policy = load_policy(path, **kw).eval()
         metrics, samples = evaluate_policy(
@@ -176,6 +180,7 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
             step_seed(ctx.seed, ctx.round_index, 10),
             eval_cfg.batch_size,
             eval_cfg.num_logged_samples,
+            episodes=episodes,
         )
         ctx.sink.log_metrics(metrics, step)
         ctx.sink.log_table(f"eval_samples_{name}.json", samples)

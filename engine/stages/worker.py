@@ -168,6 +168,7 @@ def _rl_inputs(config: Config, call: StageCall) -> RLStageInputs:
         guards=PPOGuards.of(config.kl, config.reward, call.overrides),
         objective=Objective.of(config),
         reward=config.reward,
+        env=config.env,
     )
 
 

@@ -143,6 +143,28 @@ def make_tokenizer(corpus: list[str], vocab_size: int = 360):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+def make_chat_tokenizer(corpus: list[str], vocab_size: int = 512):
+    """A byte-level BPE tokenizer (as SmolLM2's, Llama 3's, Qwen's: any text encodes, and
+    decode(encode(x)) == x) with ChatML's turn tokens and a template that renders tools and tool turns
+    (engine/envs/chat.py CHATML_TOOLS_TEMPLATE); `<|im_end|>` ends a turn. For multi-turn demos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlflow.engine.envs.chat import CHATML_TOOLS_TEMPLATE
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=alphabet))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    return tokenizer
+
+
 def make_tiny_model(tokenizer, hidden: int = 128, layers: int = 2, seed: int = 0):
     """A randomly initialised Llama-style causal LM (~0.4M parameters)."""
     import torch

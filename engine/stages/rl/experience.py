@@ -34,6 +34,7 @@ from rlflow.engine.rollout.generate import (
 )
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.rollout.lookahead import chunk_spans
+from rlflow.engine.rollout.episodes import EpisodeSampler
 from rlflow.engine.rollout.service import RolloutService
 from rlflow.engine.seeds import step_seed
 from rlflow.engine.telemetry.phases import add_phases, timed
@@ -114,6 +115,7 @@ class PPOModels:
     runtime: Runtime
     rollout: RolloutService | None = None  # rollout.mode=server: samples come from a worker process
     reward: RewardSource | None = None  # None: the reward model alone (no failure handling, as in evaluation)
+    episodes: EpisodeSampler | None = None  # env: rollouts and evaluations are multi-turn episodes
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,10 @@ def sample_and_score(
         for c, real in dist.rank_chunks(len(prompts), generate_batch):
             if served is not None:
                 batch = served[c]
+            elif models.episodes is not None:
+                span = records[c * generate_batch : (c + 1) * generate_batch]
+                sample = models.episodes.sample
+                batch = timed("timing_s/gen", lambda: sample(models.actor.model, span, params, step_seed(seed, c)))
             else:
                 chunk = prompts[c * generate_batch : (c + 1) * generate_batch]
                 kwargs = models.runtime.generate_kwargs()

@@ -21,6 +21,7 @@ from rlflow.engine.config.kl import KLConfig
 from rlflow.engine.config.sampling import SamplingConfig
 from rlflow.engine.config.methods import RewardConfig
 from rlflow.engine.config.model import ModelConfig
+from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.data.records import load_prompts
 from rlflow.engine.stages.evaluation import PromptSet, encode_prompt_set
 from rlflow.engine.rewards.model_scores import ScoringModels
@@ -29,6 +30,7 @@ from rlflow.engine.backend.runtime import OptimSpec, Runtime
 from rlflow.engine.stages.breaker import PPOGuards, PPOSafety, paused_outcome
 from rlflow.engine.stages.context import Breach
 from rlflow.engine.errors import RewardSourceError
+from rlflow.engine.rollout.episodes import EpisodeSampler
 from rlflow.engine.rollout.service import AheadStart, RolloutService
 from rlflow.engine.models.loading import (
     disable_dropout,
@@ -151,6 +153,7 @@ class RLStageInputs:
     rollout_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the rollout worker (placement.rollout)
     guards: PPOGuards = PPOGuards()  # the KL breaker and reward-failure settings, with an operator's overrides
     reward: RewardConfig = RewardConfig()  # reward.*: the reward sources and their worker pool
+    env: EnvConfig | None = None  # env.*: each prompt an episode of this environment (multi-turn, tools)
 
 
 @training_stage
@@ -178,7 +181,8 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
         source = build_reward_source(inputs.reward, models.scoring, fallback, pool, ctx.runtime, inputs.model)
         safety = PPOSafety(inputs.guards, ctx.label, saved_guards, resume, controller, source)
         service = _start_rollout_service(ctx, inputs, models, prompt_sets[0], resume)  # takes the restored actor
-        models = dataclasses.replace(models, reward=source, rollout=service)
+        episodes = None if inputs.env is None else EpisodeSampler(inputs.env, models.tokenizer)
+        models = dataclasses.replace(models, reward=source, rollout=service, episodes=episodes)
         run = PPORun(ctx, models, inputs, prompt_sets, RLStart(resume, changed, controller, state, safety))
         end = run_stage_loop(ctx, guard, run, resume or 0)
         if end.paused is not None:

@@ -289,6 +289,8 @@ def ppo_step(
         metrics |= sampled_metrics
         if models.reward is not None:
             metrics |= models.reward.metrics
+        if models.episodes is not None:
+            metrics |= models.episodes.metrics()
         if models.rollout is not None:  # the worker samples the next step(s) with the updated actor
             add_phases(models.rollout.sync(models.actor, step, step))
             add_phases(models.rollout.idle_metrics())
@@ -375,4 +377,5 @@ def run_evaluation(
         batch_size,
         n_samples,
         models.runtime.generate_kwargs(),
+        models.episodes,
     )

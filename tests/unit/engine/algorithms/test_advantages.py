@@ -143,3 +143,22 @@ def test_group_methods_need_two_samples_per_prompt(tmp_path, name):
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
         load_config(path)
     assert load_config(path, ["rollout.n=2"]).algorithm.critic_free
+
+
+def test_gae_steps_over_observation_tokens_as_if_they_were_removed():
+    # A multi-turn row: model tokens, a 2-token tool result (mask 0), model tokens, padding.
+    mask = T([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 0]], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    rewards, values = torch.randn(2, 7, generator=gen), torch.randn(2, 7, generator=gen)
+    a, r = compute_gae_advantages(rewards, values, mask, gamma=0.9, lam=0.7)
+    for row in range(2):
+        keep = mask[row].bool()
+        a_kept, r_kept = compute_gae_advantages(rewards[row, keep][None], values[row, keep][None],
+                                                torch.ones(1, int(keep.sum())), gamma=0.9, lam=0.7)
+        assert torch.equal(a[row, keep], a_kept[0]) and torch.equal(r[row, keep], r_kept[0])
+        assert torch.equal(a[row, ~keep], torch.zeros(int((~keep).sum())))
+    # By hand, row 1's last two model tokens (positions 2 and 4): delta_4 = r4 - v4, A_4 = delta_4;
+    # delta_2 = r2 + 0.9 v4 - v2, A_2 = delta_2 + 0.9 * 0.7 * A_4.
+    a4 = rewards[1, 4] - values[1, 4]
+    a2 = rewards[1, 2] + 0.9 * values[1, 4] - values[1, 2] + 0.63 * a4
+    close(a[1, [2, 4]], torch.stack([a2, a4]))

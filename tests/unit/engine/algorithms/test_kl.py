@@ -63,6 +63,13 @@ def test_compute_token_rewards_by_hand():
     close(rewards, [[-0.05, 1.9, 0.0], [-0.2, -0.25, -1.3]])
 
 
+def test_a_multi_turn_row_gets_its_score_on_its_last_model_token():
+    # model, observation, observation, model, padding: the score lands on position 3, not at sum(mask) - 1
+    mask = T([[1.0, 0.0, 0.0, 1.0, 0.0]])
+    rewards = kl.compute_token_rewards(T([3.0]), torch.full((1, 5), 0.2), mask, kl_coef=0.5)
+    close(rewards, [[-0.1, 0.0, 0.0, 2.9, 0.0]])
+
+
 def test_compute_token_rewards_rejects_empty_row_and_bad_scores():
     with pytest.raises(ValueError):
         kl.compute_token_rewards(T([1.0]), torch.zeros(1, 2), torch.zeros(1, 2), 0.1)

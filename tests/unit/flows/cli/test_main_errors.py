@@ -75,6 +75,26 @@ CASES = {
         lambda t, w: (w(engine={"backend": "deepspeed"}, resources={"nproc_per_node": 2}),),
         r"ppo.rollout_batch x rollout.n / rollout.generate_batch chunks = 1 is less than the 2 ranks .*make it at least 2",
     ),
+    "an env class that does not exist": (
+        lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:NoSuchEnv"}),),
+        r"env.fn 'helpers.envs:NoSuchEnv': helpers.envs has no class 'NoSuchEnv'",
+    ),
+    "an env with the wrong signature": (
+        lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:StepTakesNothing"}),),
+        r"StepTakesNothing.step must take one argument \(assistant_message\), it takes \(\)",
+    ),
+    "an env of fewer than one turn": (
+        lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:ScriptedEnv", "max_turns": 0}),),
+        r"env.max_turns.*greater than or equal to 1",
+    ),
+    "a tool with an invalid schema": (
+        lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:BadToolEnv"}),),
+        r"tool 'scale': argument 'x' has type 'float'; valid: string, integer",
+    ),
+    "an env with a rollout worker": (
+        lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:ScriptedEnv"}, rollout={"mode": "server"}),),
+        r"env with rollout.mode=server is not supported yet .*set rollout.mode=colocated",
+    ),
     "vllm without its environment": (
         lambda t, w: (w(rollout={"mode": "server", "server_backend": "vllm", "vllm_python": str(t / "none")}),),
         r"rollout.vllm_python=.*does not exist: build it with `make vllm-env`",

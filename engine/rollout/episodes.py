@@ -1,0 +1,263 @@
+"""Multi-turn rollouts: each row is an episode with its own environment, sampled in one batch whose
+KV cache carries every row across its turns.
+
+The loop is decode's (one token per row per step, the same seeded draw), with two additions. A row
+whose turn ends (a stop id, the turn's token cap) hands the turn's text to its environment in a
+thread pool, which runs while the batch's next forward does. At the next step its environment's
+observation ids (engine/envs/chat.py: only the new messages, in the template's delimiters) are
+fed one per step in place of samples, then it samples again. No row waits for another's turn or
+episode: one row reads a tool result while others write, and a finished row idles on padding. The
+batch does wait, at the step after a turn ends, for that turn's environment step.
+
+Which tokens a row gets depends on the seed, the step counts and the observations only, never on
+how long a tool took, so a step's rollout is reproducible given its tools' outputs; `replay` (the
+outputs of an earlier run of the same step, in call order) makes it so without running a tool again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlflow.engine.config.env import EnvConfig
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.data.batching import left_pad
+from rlflow.engine.data.records import PromptRecord
+from rlflow.engine.envs.base import EnvStep, Environment, build_environment
+from rlflow.engine.envs.chat import ConversationEncoder
+from rlflow.engine.models.tokens import stop_token_ids
+from rlflow.engine.rollout.decode import next_token, open_steps
+from rlflow.engine.rollout.draw import SeededDraw
+from rlflow.engine.rollout.generate import RolloutBatch, pad_responses
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    """Model turns per episode; an episode still calling tools after the last is truncated."""
+    max_new_tokens: int
+    """Tokens per model turn (sampling.max_new_tokens)."""
+    max_total_tokens: int
+    """Every id after the prompt, model turns and observations together."""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One episode as token ids: the prompt, then every id exactly as sampled or observed."""
+
+    prompt_ids: tuple[int, ...]
+    ids: tuple[int, ...]  # after the prompt, in order: the model's turns and the observations between them
+    generated: tuple[bool, ...]  # per id: True where the model sampled it (the loss mask)
+    logprobs: tuple[float, ...]  # per id: the sampler's log-prob, 0.0 on observation ids
+    answer: str  # the final turn's text (special tokens removed); "" when the episode was truncated
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    truncated: bool
+    env_reward: float  # the environment's per-turn rewards, summed
+    observations: tuple[tuple[int, ...], ...]  # each observation's ids, in the order they were appended
+
+
+@dataclass
+class _Episode:
+    env: Environment
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    generated: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)  # the model turn being written
+    forced: list[int] = field(default_factory=list)  # observation ids still to feed
+    observations: list[tuple[int, ...]] = field(default_factory=list)
+    turn_ended: bool = False  # set when a turn ends; the loop then hands it to the environment
+    pending: Future | None = None
+    answer: str = ""
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    reward: float = 0.0
+    done: bool = False
+    truncated: bool = False
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(
+            tuple(self.prompt), tuple(self.ids), tuple(self.generated), tuple(self.logprobs),
+            "" if self.truncated else self.answer, self.turns, self.calls, self.errors, self.truncated,
+            self.reward, tuple(self.observations),
+        )
+
+
+class _Replay:
+    """The environment steps of an earlier run of this rollout, handed out in call order per row."""
+
+    def __init__(self, steps: dict[int, list[EnvStep]] | None):
+        self.steps = {row: list(s) for row, s in (steps or {}).items()}
+        self.record: dict[int, list[EnvStep]] = {}
+
+    def step(self, row: int, env: Environment, text: str) -> EnvStep:
+        queue = self.steps.get(row)
+        result = queue.pop(0) if queue else env.step(text)
+        self.record.setdefault(row, []).append(result)
+        return result
+
+
+def run_episodes(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    envs: Sequence[Environment],
+    first_messages: Sequence[list[dict[str, str]]],
+    encoder: ConversationEncoder,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    stop_ids: Sequence[int],
+    seed: int,
+    pool: Executor,
+    replay: dict[int, list[EnvStep]] | None = None,
+) -> tuple[list[Trajectory], dict[int, list[EnvStep]]]:
+    """Runs one episode per row (envs[i] already reset to first_messages[i]) and returns the
+    trajectories and every environment step taken, per row in order (what `replay` takes)."""
+    episodes = [_Episode(env, encoder.prompt_ids(messages)) for env, messages in zip(envs, first_messages)]
+    pad = tokenizer.pad_token_id
+    ids, attention = left_pad([e.prompt for e in episodes], pad)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            steps = open_steps(model, attention.to(device), limits.max_total_tokens)
+            logits = steps.prefill(ids.to(device))
+            draw, width, stops = SeededDraw(seed, device), ids.shape[1], set(stop_ids)
+            history = _Replay(replay)
+            for slot in range(limits.max_total_tokens):
+                sampled, logprob = next_token(logits, params.temperature, params.top_p, draw)
+                feed = [_advance(e, int(t), float(lp), stops, limits, tokenizer, pad)
+                        for e, t, lp in zip(episodes, sampled.tolist(), logprob.tolist())]
+                for row, e in enumerate(episodes):
+                    if e.turn_ended:  # its environment runs beside the next forward
+                        e.turn_ended, e.pending = False, pool.submit(history.step, row, e.env, e.answer)
+                if all(e.done for e in episodes) or slot == limits.max_total_tokens - 1:
+                    break
+                logits = steps.step(torch.tensor(feed, device=device), width + slot)
+                _collect(episodes, encoder, limits)
+                if all(e.done for e in episodes):
+                    break
+    finally:
+        model.train(was_training)
+        _collect(episodes, encoder, limits)  # an environment still running when the budget ran out
+    for e in episodes:  # the token budget ran out with turns still open
+        if not e.done:
+            e.done, e.truncated = True, True
+    return [e.trajectory() for e in episodes], history.record
+
+
+def _advance(e: _Episode, sampled: int, logprob: float, stops: set[int], limits: EpisodeLimits,
+             tokenizer: Any, pad: int) -> int:
+    """The id row `e` feeds at this step: padding when done, its next observation id, or the sample."""
+    if e.done:
+        return pad
+    if e.forced:
+        token = e.forced.pop(0)
+        e.ids.append(token)
+        e.generated.append(False)
+        e.logprobs.append(0.0)
+        return token
+    e.ids.append(sampled)
+    e.generated.append(True)
+    e.logprobs.append(logprob)
+    e.turn.append(sampled)
+    if sampled in stops or len(e.turn) >= limits.max_new_tokens:
+        e.turns += 1
+        e.answer = tokenizer.decode(e.turn, skip_special_tokens=True)
+        e.turn = []
+        e.turn_ended = True
+    elif len(e.ids) >= limits.max_total_tokens:
+        e.done, e.truncated = True, True
+    return sampled
+
+
+def _collect(episodes: Sequence[_Episode], encoder: ConversationEncoder, limits: EpisodeLimits) -> None:
+    for e in episodes:
+        if e.pending is not None:
+            step, e.pending = e.pending.result(), None
+            _observe(e, step, encoder, limits)
+
+
+def _observe(e: _Episode, step: EnvStep, encoder: ConversationEncoder, limits: EpisodeLimits) -> None:
+    """Takes in the environment's answer to the turn that just ended."""
+    e.reward += float(step.reward)
+    e.calls += int(step.info.get("tool_calls", 0))
+    e.errors += int(step.info.get("tool_errors", 0))
+    if step.done:
+        e.done = True
+        return
+    observation = encoder.observation_ids(step.observation, e.ids[-1] if e.generated[-1] else None)
+    if e.turns >= limits.max_turns or len(e.ids) + len(observation) >= limits.max_total_tokens:
+        e.done, e.truncated = True, True  # no room for another turn
+        return
+    e.forced = list(observation)
+    e.observations.append(tuple(observation))
+
+
+def trajectory_batch(trajectories: Sequence[Trajectory], pad_id: int, version: int | None = None) -> RolloutBatch:
+    """The trajectories as a RolloutBatch: attention on every real id, observations included; the
+    response mask (what carries loss, KL and advantages) on the model's ids only."""
+    prompt_ids, attention = left_pad([list(t.prompt_ids) for t in trajectories], pad_id)
+    rows = [torch.tensor(t.ids, dtype=torch.long) for t in trajectories]
+    response = pad_responses([r[None] for r in rows], value=pad_id).long()
+    real = pad_responses([torch.ones(1, len(r)) for r in rows])
+    mask = pad_responses([torch.tensor(t.generated, dtype=torch.float32)[None] for t in trajectories])
+    logprobs = pad_responses([torch.tensor(t.logprobs, dtype=torch.float32)[None] for t in trajectories])
+    versions = None if version is None else torch.full((len(trajectories),), version, dtype=torch.long)
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, response], 1),
+        attention_mask=torch.cat([attention, real.long()], 1),
+        response_mask=mask,
+        prompt_width=prompt_ids.shape[1],
+        response_texts=tuple(t.answer for t in trajectories),
+        sampled_logprobs=logprobs * mask,
+        sampled_versions=versions,
+    )
+
+
+
+class EpisodeSampler:
+    """The RL stage's and evaluation's sampler when the config has an `env`: one fresh environment
+    per row, reset to the row, then `run_episodes`. Keeps the episodes' counts until `metrics()`."""
+
+    def __init__(self, cfg: EnvConfig, tokenizer: Any):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        probe = build_environment(cfg.fn, cfg.kwargs)
+        tools = probe.tool_schemas() if hasattr(probe, "tool_schemas") else []
+        self.encoder = ConversationEncoder(tokenizer, tools)
+        self.trajectories: list[Trajectory] = []
+
+    def sample(self, policy: torch.nn.Module, records: Sequence[PromptRecord], params: SamplingParams,
+               seed: int) -> RolloutBatch:
+        envs = [build_environment(self.cfg.fn, self.cfg.kwargs) for _ in records]
+        first = [env.reset({**r.fields, "prompt": r.prompt}) for env, r in zip(envs, records)]
+        limits = EpisodeLimits(self.cfg.max_turns, params.max_new_tokens, self.cfg.max_total_tokens)
+        stops = stop_token_ids(self.tokenizer)
+        with ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="rlflow-env") as pool:
+            trajectories, _ = run_episodes(policy, self.tokenizer, envs, first, self.encoder, params, limits, stops,
+                                           seed, pool)
+        self.trajectories.extend(trajectories)
+        return trajectory_batch(trajectories, self.tokenizer.pad_token_id)
+
+    def metrics(self, prefix: str = "env/") -> dict[str, float]:
+        """Means over the episodes since the last call: turns, tool calls and errors, the truncated
+        share and the environments' own (per-turn) reward."""
+        done, self.trajectories = self.trajectories, []
+        if not done:
+            return {}
+        n = len(done)
+        return {
+            f"{prefix}turns": sum(t.turns for t in done) / n,
+            f"{prefix}tool_calls": sum(t.tool_calls for t in done) / n,
+            f"{prefix}tool_errors": sum(t.tool_errors for t in done) / n,
+            f"{prefix}truncated": sum(t.truncated for t in done) / n,
+            f"{prefix}turn_reward": sum(t.env_reward for t in done) / n,
+            f"{prefix}observation_tokens": sum(len(t.ids) - sum(t.generated) for t in done) / n,
+        }
