@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -223,26 +223,40 @@ def trajectory_batch(trajectories: Sequence[Trajectory], pad_id: int, version: i
 
 
 
+class Journal(Protocol):
+    """Where an RL step's environment steps are kept until the step commits (engine/stages/rl/tool_journal.py)."""
+
+    def replay(self, key: str) -> dict[int, list[EnvStep]] | None: ...
+
+    def record(self, key: str, steps: dict[int, list[EnvStep]]) -> None: ...
+
+
 class EpisodeSampler:
     """The RL stage's and evaluation's sampler when the config has an `env`: one fresh environment
     per row, reset to the row, then `run_episodes`. Keeps the episodes' counts until `metrics()`."""
 
-    def __init__(self, cfg: EnvConfig, tokenizer: Any):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: EnvConfig, tokenizer: Any, journal: Journal | None = None):
+        self.cfg, self.tokenizer, self.journal = cfg, tokenizer, journal
         probe = build_environment(cfg.fn, cfg.kwargs)
         tools = probe.tool_schemas() if hasattr(probe, "tool_schemas") else []
         self.encoder = ConversationEncoder(tokenizer, tools)
         self.trajectories: list[Trajectory] = []
 
     def sample(self, policy: torch.nn.Module, records: Sequence[PromptRecord], params: SamplingParams,
-               seed: int) -> RolloutBatch:
+               seed: int, journaled: bool = False) -> RolloutBatch:
+        """One episode per record. `journaled` (the RL step's rollouts, not evaluations): the
+        environment steps are recorded in the journal, and replayed from it when it holds them."""
+        key, journal = str(seed), self.journal if journaled else None
+        replay = None if journal is None else journal.replay(key)
         envs = [build_environment(self.cfg.fn, self.cfg.kwargs) for _ in records]
         first = [env.reset({**r.fields, "prompt": r.prompt}) for env, r in zip(envs, records)]
         limits = EpisodeLimits(self.cfg.max_turns, params.max_new_tokens, self.cfg.max_total_tokens)
         stops = stop_token_ids(self.tokenizer)
         with ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="rlflow-env") as pool:
-            trajectories, _ = run_episodes(policy, self.tokenizer, envs, first, self.encoder, params, limits, stops,
-                                           seed, pool)
+            trajectories, steps = run_episodes(policy, self.tokenizer, envs, first, self.encoder, params, limits,
+                                               stops, seed, pool, replay)
+        if journal is not None and replay is None:
+            journal.record(key, steps)
         self.trajectories.extend(trajectories)
         return trajectory_batch(trajectories, self.tokenizer.pad_token_id)
 

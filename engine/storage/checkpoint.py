@@ -200,6 +200,26 @@ class CheckpointStore:
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm(path, recursive=recursive)
 
+    # In-flight records: what a step that has not committed needs to be rerun exactly (its tools'
+    # outputs), JSON beside the steps under inflight/, part of no checkpoint; their owner removes them.
+
+    def write_inflight(self, name: str, obj: Any) -> None:
+        self._put(f"{self._path}/inflight/{name}", json.dumps(obj).encode())
+
+    def read_inflight(self, name: str) -> Any | None:
+        data = self._cat(f"{self._path}/inflight/{name}")
+        return None if data is None else json.loads(data)
+
+    def inflight_names(self) -> list[str]:
+        self._fs.invalidate_cache(f"{self._path}/inflight")
+        try:
+            return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in self._fs.ls(f"{self._path}/inflight", detail=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove_inflight(self, name: str) -> None:
+        self._rm(f"{self._path}/inflight/{name}")
+
     def _step_dirs(self) -> list[int]:
         """Step numbers that have a directory, committed or not."""
         self._fs.invalidate_cache(self._path)  # see steps written by other processes

@@ -48,3 +48,28 @@ class StepTakesNothing:
 
     def step(self):
         raise NotImplementedError
+
+
+class CountingEnv:
+    """Two turns; each call appends a line to `log`, and its tool message names how many calls the log
+    held when the environment was built. A step whose tools ran again after a restart would read
+    other messages, so sample other tokens."""
+
+    def __init__(self, log: str):
+        self.log = log
+        with open(log, "a+") as f:
+            f.seek(0)
+            self.calls_before = len(f.readlines())
+        self.turns = 0
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, assistant_message):
+        with open(self.log, "a") as f:
+            f.write(assistant_message.replace("\n", " ") + "\n")
+        self.turns += 1
+        if self.turns >= 2:
+            return EnvStep(done=True)
+        return EnvStep(observation=[{"role": "tool", "content": f"result {self.calls_before}"}],
+                       info={"tool_calls": 1.0})

@@ -262,8 +262,8 @@ def sample_and_score(
                 batch = served[c]
             elif models.episodes is not None:
                 span = records[c * generate_batch : (c + 1) * generate_batch]
-                sample = models.episodes.sample
-                batch = timed("timing_s/gen", lambda: sample(models.actor.model, span, params, step_seed(seed, c)))
+                chunk_seed, sample = step_seed(seed, c), models.episodes.sample
+                batch = timed("timing_s/gen", lambda: sample(models.actor.model, span, params, chunk_seed, True))
             else:
                 chunk = prompts[c * generate_batch : (c + 1) * generate_batch]
                 kwargs = models.runtime.generate_kwargs()

@@ -31,6 +31,7 @@ from rlflow.engine.stages.breaker import PPOGuards, PPOSafety, paused_outcome
 from rlflow.engine.stages.context import Breach
 from rlflow.engine.errors import RewardSourceError
 from rlflow.engine.rollout.episodes import EpisodeSampler
+from rlflow.engine.stages.rl.tool_journal import ToolJournal
 from rlflow.engine.rollout.service import AheadStart, RolloutService
 from rlflow.engine.models.loading import (
     disable_dropout,
@@ -181,13 +182,18 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
         source = build_reward_source(inputs.reward, models.scoring, fallback, pool, ctx.runtime, inputs.model)
         safety = PPOSafety(inputs.guards, ctx.label, saved_guards, resume, controller, source)
         service = _start_rollout_service(ctx, inputs, models, prompt_sets[0], resume)  # takes the restored actor
-        episodes = None if inputs.env is None else EpisodeSampler(inputs.env, models.tokenizer)
+        episodes = None
+        if inputs.env is not None:  # its journal lets a killed step replay its tools' outputs
+            journal = ToolJournal(ctx.store, ctx.identity, dist.rank())
+            episodes = EpisodeSampler(inputs.env, models.tokenizer, journal)
         models = dataclasses.replace(models, reward=source, rollout=service, episodes=episodes)
         run = PPORun(ctx, models, inputs, prompt_sets, RLStart(resume, changed, controller, state, safety))
         end = run_stage_loop(ctx, guard, run, resume or 0)
         if end.paused is not None:
             return end.paused
         step = end.step
+        if episodes is not None:
+            episodes.journal.clear()
     finally:
         if service is not None:
             service.close()

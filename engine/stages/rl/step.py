@@ -253,6 +253,8 @@ def ppo_step(
     started = time.monotonic()
     with collect_phases() as timings:  # every phase below adds its seconds (engine/telemetry/phases.py)
         update_actor = step > cfg.critic_warmup_steps or models.critic is None
+        if models.episodes is not None and models.episodes.journal is not None:
+            models.episodes.journal.begin(step)
         single = single_pass_possible(models, cfg, update_actor, objective.group_size)
 
         def sample(attempt: int) -> ScoredRollout:

@@ -92,7 +92,9 @@ CASES = {
         r"tool 'scale': argument 'x' has type 'float'; valid: string, integer",
     ),
     "an env with a rollout worker": (
-        lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:ScriptedEnv"}, rollout={"mode": "server"}),),
+        lambda t, w: (
+            w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:ScriptedEnv"}, rollout={"mode": "server"}),
+        ),
         r"env with rollout.mode=server is not supported yet .*set rollout.mode=colocated",
     ),
     "vllm without its environment": (

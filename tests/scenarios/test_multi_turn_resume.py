@@ -1,0 +1,84 @@
+"""A multi-turn RL stage killed after its tools ran, then started again, ends exactly like an
+uninterrupted run, and its tools ran once: the rerun replays their outputs from the stage's
+journal (engine/stages/rl/tool_journal.py). The environment (helpers.envs:CountingEnv) answers
+with how many calls had been made before, so a tool run again would change the tokens."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers.stage_ctx import make_call
+from helpers.stage_worker import final_files, finish_worker, stable, start_worker
+from rlflow.engine.faults import KILLED_EXIT_CODE
+from rlflow.engine.storage.checkpoint import CheckpointStore
+from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-model")
+    tokenizer = make_chat_tokenizer(["what is 12 plus 30", "the answer is 42", "result 17"])
+    make_tiny_model(tokenizer, seed=0).save_pretrained(root / "model", safe_serialization=True)
+    tokenizer.save_pretrained(root / "model")
+    rows = "".join(json.dumps({"prompt": f"what is {i} plus 30"}) + "\n" for i in range(4))
+    for name in ("prompts", "eval_prompts"):
+        (root / f"{name}.jsonl").write_text(rows)
+    return root
+
+
+def tree(chat_model, root, algorithm):
+    return {
+        "run": {"name": "t", "root": str(root), "rounds": 1, "threads": 1},
+        "model": {"path": str(chat_model / "model")},
+        "data": {"prompts": str(chat_model / "prompts.jsonl"), "eval_prompts": str(chat_model / "eval_prompts.jsonl"),
+                 "chat_template": "auto"},
+        "algorithm": {"name": algorithm},
+        "rollout": {"n": 2, "generate_batch": 4},  # two chunks a step: two journal entries
+        "ppo": {"steps": 3, "rollout_batch": 4, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3, "log_every": 1,
+                "critic_init": "policy"},
+        "kl": {"stop_above": None},
+        "reward": {"sources": [{"name": "length", "type": "function", "fn": "helpers.reward_fns:scaled_length",
+                                "kwargs": {"scale": 0.1}}]},
+        "env": {"fn": "helpers.envs:CountingEnv", "kwargs": {"log": str(root / "calls.log")}, "max_total_tokens": 64},
+        "sampling": {"max_new_tokens": 5},
+        "eval": {"every_steps": 100, "num_prompts": 4, "batch_size": 4},
+        "checkpoint": {"every_steps": 2, "keep_last": 2},
+    }
+
+
+def call(chat_model, root, algorithm):
+    model = str(chat_model / "model")
+    paths = {"policy": model, "reference": model, "sft": model, "reward_model": None, "score_norm": None,
+             "critic": model if algorithm == "ppo" else None}
+    return make_call(root, "ppo", ppo_inputs=paths)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_killed_multi_turn_step_replays_its_tools_and_ends_like_an_uninterrupted_run(
+    algorithm, chat_model, tmp_path_factory, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))  # the workers import helpers.envs
+    ref_root, root = tmp_path_factory.mktemp(f"ref-{algorithm}"), tmp_path_factory.mktemp(f"killed-{algorithm}")
+    ref_tree, ref_call = tree(chat_model, ref_root, algorithm), call(chat_model, ref_root, algorithm)
+    reference = start_worker(ref_root, ref_tree, ref_call, None)
+    logged = []
+    # Step 3 is killed after its rollout (its journal written), step 2's checkpoint committed before it.
+    for fault in ("batch_received:3", None):
+        rc, metrics, err = finish_worker(start_worker(root, tree(chat_model, root, algorithm),
+                                                      call(chat_model, root, algorithm), fault))
+        assert rc == (KILLED_EXIT_CODE if fault else 0), f"{fault}: exit {rc}\n{err}"
+        logged += metrics
+        if fault:
+            store = CheckpointStore(f"{root}/ppo")
+            assert store.committed_steps() == [2]
+            assert store.inflight_names() == ["tools_step_000003_rank_0.json"]
+    rc, ref_metrics, err = finish_worker(reference)
+    assert rc == 0, err
+    by_step = {step: stable(m) for step, m in ref_metrics}
+    for step, metrics in logged:
+        assert stable(metrics) == {k: by_step[step][k] for k in stable(metrics)}, f"step {step} differs"
+    assert final_files(f"{root}/ppo") == final_files(f"{ref_root}/ppo")
+    ran, ran_once = (root / "calls.log").read_text().splitlines(), (ref_root / "calls.log").read_text().splitlines()
+    assert len(ran) == len(ran_once) > 0  # step 3's tools were not run a second time
+    assert CheckpointStore(f"{root}/ppo").inflight_names() == []  # the finished stage left no journal
