@@ -61,6 +61,21 @@ class Trajectory:
     env_reward: float  # the environment's per-turn rewards, summed
     observations: tuple[tuple[int, ...], ...]  # each observation's ids, in the order they were appended
 
+    def summary(self) -> dict[str, float]:
+        """The episode's counts (JSON: what ranks gather and episode_metrics averages)."""
+        return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                "truncated": float(self.truncated), "turn_reward": self.env_reward,
+                "observation_tokens": len(self.ids) - sum(self.generated)}
+
+
+def episode_metrics(summaries: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Means of Trajectory.summary() over episodes, as <prefix><key> ({} without episodes): turns, tool
+    calls and errors, the truncated share, the environments' own reward, observation ids."""
+    if not summaries:
+        return {}
+    keys = ("turns", "tool_calls", "tool_errors", "truncated", "turn_reward", "observation_tokens")
+    return {f"{prefix}{k}": sum(float(s[k]) for s in summaries) / len(summaries) for k in keys}
+
 
 @dataclass
 class _Episode:
@@ -260,18 +275,7 @@ class EpisodeSampler:
         self.trajectories.extend(trajectories)
         return trajectory_batch(trajectories, self.tokenizer.pad_token_id)
 
-    def metrics(self, prefix: str = "env/") -> dict[str, float]:
-        """Means over the episodes since the last call: turns, tool calls and errors, the truncated
-        share and the environments' own (per-turn) reward."""
+    def take(self) -> list[Trajectory]:
+        """The episodes sampled since the last call, in order."""
         done, self.trajectories = self.trajectories, []
-        if not done:
-            return {}
-        n = len(done)
-        return {
-            f"{prefix}turns": sum(t.turns for t in done) / n,
-            f"{prefix}tool_calls": sum(t.tool_calls for t in done) / n,
-            f"{prefix}tool_errors": sum(t.tool_errors for t in done) / n,
-            f"{prefix}truncated": sum(t.truncated for t in done) / n,
-            f"{prefix}turn_reward": sum(t.env_reward for t in done) / n,
-            f"{prefix}observation_tokens": sum(len(t.ids) - sum(t.generated) for t in done) / n,
-        }
+        return done

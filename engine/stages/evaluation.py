@@ -17,7 +17,7 @@ from rlflow.engine.data.records import PromptRecord, encode_prompts, format_prom
 from rlflow.engine.errors import DataError
 from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
-from rlflow.engine.rollout.episodes import EpisodeSampler
+from rlflow.engine.rollout.episodes import EpisodeSampler, episode_metrics
 from rlflow.engine.rollout.generate import batched_logprobs, generate_rollouts
 
 
@@ -68,6 +68,7 @@ def evaluate_policy(
     (the KL and length are over the model's tokens of every turn).
     """
     texts: list[str] = []
+    played: list[dict[str, Any]] = []  # with episodes: each row's Trajectory.summary() and transcript
     per_row: list[torch.Tensor] = []  # [b, 4] per chunk: rm score, kl to reference, kl to sft, length
     for c, real in dist.rank_chunks(len(prompts.token_ids), batch_size):
         start = c * batch_size
@@ -91,6 +92,9 @@ def evaluate_policy(
         if real:
             per_row.append(torch.stack(columns + [mask.sum(1)], 1))
             texts.extend(batch.response_texts)
+        if episodes is not None:
+            chunk_played = _played(episodes, tokenizer)
+            played += chunk_played if real else []
     n_prompts = len(prompts.token_ids)
     table = dist.gather_chunked(torch.cat(per_row), n_prompts, batch_size, 0.0)
     texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
@@ -114,7 +118,8 @@ def evaluate_policy(
     if models.reward_model is not None:
         metrics["eval/rm_score"] = float(torch.cat(rm).mean())
     if episodes is not None:
-        metrics |= episodes.metrics("eval/env/")
+        played = dist.gather_chunked_list(played, n_prompts, batch_size)
+        metrics |= episode_metrics(played, "eval/env/") | _tool_use_metrics(played, gold.scores)
     metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
     rows = [
         {
@@ -123,9 +128,29 @@ def evaluate_policy(
             "gold_score": gold.scores[i],
             "rm_score": None if models.reward_model is None else float(torch.cat(rm)[i]),
         }
+        | ({"transcript": played[i]["transcript"]} if episodes is not None else {})
         for i in range(min(n_samples, n))
     ]
     return metrics, rows
+
+
+def _played(episodes: EpisodeSampler, tokenizer: Any) -> list[dict[str, Any]]:
+    """The chunk's episodes: counts, and the whole conversation as the model saw it (turn tokens kept)."""
+    return [t.summary() | {"transcript": tokenizer.decode(list(t.prompt_ids + t.ids))} for t in episodes.take()]
+
+
+def _tool_use_metrics(played: list[dict[str, Any]], scores: Sequence[float]) -> dict[str, float]:
+    """eval/env/well_formed_call_share: episodes with at least one call that parsed and ran;
+    eval/env/no_call_share, and eval/env/gold_without_calls: the gold score of those (when any)."""
+    n = len(played)
+    without = [s for s, p in zip(scores, played) if p["tool_calls"] == 0]
+    metrics = {
+        "eval/env/well_formed_call_share": sum(p["tool_calls"] - p["tool_errors"] >= 1 for p in played) / n,
+        "eval/env/no_call_share": len(without) / n,
+    }
+    if without:
+        metrics["eval/env/gold_without_calls"] = sum(without) / len(without)
+    return metrics
 
 
 def _gold_scores(gold: Any, records: Sequence[PromptRecord], texts: list[str]) -> GoldScores:

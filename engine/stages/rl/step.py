@@ -37,6 +37,7 @@ from rlflow.engine.stages.rl.experience import (
 )
 from rlflow.engine.models.loading import token_logprobs, token_values
 from rlflow.engine.faults import fault_point
+from rlflow.engine.rollout.episodes import episode_metrics
 from rlflow.engine.rollout.generate import RolloutBatch
 from rlflow.engine.rollout.lookahead import StepPlan, chunk_spans, staleness_metrics
 from rlflow.engine.config.sampling import SamplingParams
@@ -292,7 +293,7 @@ def ppo_step(
         if models.reward is not None:
             metrics |= models.reward.metrics
         if models.episodes is not None:
-            metrics |= models.episodes.metrics()
+            metrics |= episode_metrics([t.summary() for t in models.episodes.take()], "env/")
         if models.rollout is not None:  # the worker samples the next step(s) with the updated actor
             add_phases(models.rollout.sync(models.actor, step, step))
             add_phases(models.rollout.idle_metrics())

@@ -68,6 +68,13 @@ def test_a_multi_turn_run_trains_on_episodes_of_the_lengths_the_env_gives(chat_r
     assert all(v > 10 for _, v in sink.series("env/observation_tokens"))  # ~15 ids per tool message
     assert [v for _, v in sink.series("eval/env/turns")] == [2.0]  # the final evaluation's episodes
     assert [v for _, v in sink.series("eval/env/tool_calls")] == [1.0]
+    # ScriptedEnv's calls are well formed; the one-turn episode made none, and the gold function scores 0
+    assert [v for _, v in sink.series("eval/env/well_formed_call_share")] == [0.75]
+    assert [v for _, v in sink.series("eval/env/no_call_share")] == [0.25]
+    assert [v for _, v in sink.series("eval/env/gold_without_calls")] == [0.0]
+    samples = sink.tables["eval_samples.json"]
+    assert samples[0]["transcript"].startswith("<|im_start|>user\nwhat is 0 plus 30<|im_end|>\n<|im_start|>assistant\n")
+    assert "<|im_start|>tool\ntool says 17<|im_end|>" in samples[1]["transcript"]
     start = load_file(str(chat_run / "model" / "model.safetensors"))
     trained = load_file(f"{outcome.checkpoint_uri}/model/model.safetensors")
     moved = max(float((trained[k] - start[k]).abs().max()) for k in start)
