@@ -172,6 +172,11 @@ class Config(Section):
             " supported yet (ZeRO-3's sampling runs every rank in lockstep); use zero_stage 1 or 2"),
             (self.reward.overlong_buffer is not None, "reward.overlong_buffer ramps over one response's"
             " sampling.max_new_tokens; an env episode has several turns: remove reward.overlong_buffer or env"),
+            (self.reward.learned and self.label.online_from_round is not None
+             and self.label.online_from_round < self.run.rounds, "env with online labels (label.online_from_round="
+             f"{self.label.online_from_round}) is not supported yet: the label stage samples single-turn answers, not"
+             " episodes, for the reward model to learn; set label.online_from_round=null (offline preferences) or"
+             " use rule or function rewards"),
             (self.data.chat_template == "none", "env needs the tokenizer's chat template to write the turns"
             " (data.chat_template=none); set data.chat_template=auto"),
         ]
