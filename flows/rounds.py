@@ -144,7 +144,7 @@ def run_round(
         "eval",
         r,
         {"eval": c.eval, "gold": c.gold, "sampling": c.sampling, "model": model_section_of(c)}
-        | ({"env": c.env.model_dump(mode="json")} if c.env is not None else {}),
+        | ({"env": c.env.model_dump(mode="json", exclude={"tool_workers"})} if c.env is not None else {}),
         {k: _input_id(v) for k, v in upstream + (("final", final),)},
         ("eval_prompts",),
     )
@@ -184,7 +184,7 @@ def rl_stage(
             # Off-policy sampling changes what is trained on; k=0 keeps the synchronous identities.
             **({"rollout_off_policy_steps": c.rollout.off_policy_steps} if c.rollout.off_policy_steps else {}),
             **({"rollout_async": [c.rollout.max_staleness, c.rollout.partial_rollouts]} if c.rollout.async_ else {}),
-            **({"env": c.env.model_dump(mode="json")} if c.env is not None else {}),  # single-turn keeps its identity
+            **({"env": c.env.model_dump(mode="json", exclude={"tool_workers"})} if c.env is not None else {}),  # single-turn keeps its identity
         },
         {k: _input_id(v) for k, v in upstream},
         ("prompts", "eval_prompts"),

@@ -28,7 +28,8 @@ class EnvConfig(Section):
     """Every token after the prompt, the model's turns and the observations together; each turn also
     stops at sampling.max_new_tokens."""
     tool_workers: int = Field(4, ge=1, le=256)
-    """Threads that run the environments' steps (tool calls) beside the batch's generation."""
+    """Threads that run the environments' steps (tool calls) beside the batch's generation (not part
+    of the stage's identity: changing it resumes the same stage)."""
 
     @field_validator("fn")
     @classmethod

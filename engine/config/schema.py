@@ -170,6 +170,9 @@ class Config(Section):
             " rollout.mode=colocated"),
             (self.engine.backend == "deepspeed" and self.engine.zero_stage == 3, "env with engine.zero_stage=3 is not"
             " supported yet (ZeRO-3's sampling runs every rank in lockstep); use zero_stage 1 or 2"),
+            (self.ppo.loss_agg == "seq-mean-token-sum-norm", "ppo.loss_agg=seq-mean-token-sum-norm divides by"
+            " sampling.max_new_tokens, one response's budget; an env episode has several turns: use another"
+            " ppo.loss_agg or remove env"),
             (self.reward.overlong_buffer is not None, "reward.overlong_buffer ramps over one response's"
             " sampling.max_new_tokens; an env episode has several turns: remove reward.overlong_buffer or env"),
             (self.reward.learned and self.label.online_from_round is not None

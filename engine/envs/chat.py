@@ -87,6 +87,13 @@ class ConversationEncoder:
         self.tokenizer = tokenizer
         self.tools = list(tools or [])
         self.template_tools = template_renders_tools(tokenizer, self.tools) if self.tools else False
+        if self.tools:  # found now, at the stage's start, rather than at the first tool call of a step
+            try:
+                self.observation_ids([{"role": "tool", "content": "0"}], None)
+            except Exception as exc:
+                raise ChatTemplateError(
+                    f"the chat template cannot write a 'tool' message ({type(exc).__name__}: {exc}); tool results need"
+                    " a template with tool turns (e.g. rlflow.engine.envs.chat.CHATML_TOOLS_TEMPLATE)") from None
 
     def first_messages(self, messages: list[Message]) -> list[Message]:
         """The messages as the template will see them (tool instructions added where it cannot show tools)."""
@@ -100,19 +107,18 @@ class ConversationEncoder:
         return self._encode(text)
 
     def observation_ids(self, new_messages: list[Message], last_generated_id: int | None) -> list[int]:
-        """Ids to append after a model turn that ended with `last_generated_id`: the rest of the template's
-        end of an assistant turn, the new messages in its delimiters, then the generation prompt."""
+        """Ids to append after a model turn that ended with `last_generated_id`: the template's end of an
+        assistant turn (without its first id when that is the id the model ended on: its stop token),
+        the new messages in its delimiters, then the generation prompt."""
         stand_in = [{"role": "user", "content": _STAND_IN_USER}, {"role": "assistant", "content": _STAND_IN_ANSWER}]
         text = _render(self.tokenizer, stand_in + list(new_messages), self._tools_arg(), True)
         start = text.find(_STAND_IN_ANSWER)
         if start < 0 or text.find(_STAND_IN_ANSWER, start + 1) >= 0:
             raise ChatTemplateError("the chat template does not write an assistant turn's content once, as given")
-        suffix = text[start + len(_STAND_IN_ANSWER):]
-        if last_generated_id is not None:
-            sampled_end = self.tokenizer.decode([last_generated_id])
-            if sampled_end and suffix.startswith(sampled_end):
-                suffix = suffix[len(sampled_end):]  # the model already wrote the end of its turn
-        return self._encode(suffix)
+        ids = self._encode(text[start + len(_STAND_IN_ANSWER):])
+        if ids and last_generated_id is not None and ids[0] == last_generated_id:
+            return ids[1:]  # the model already wrote the template's end of turn
+        return ids
 
     def _tools_arg(self) -> list[dict] | None:
         return self.tools if self.template_tools else None

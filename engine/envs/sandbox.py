@@ -57,7 +57,7 @@ class SandboxResult:
     timed_out: bool
     truncated: bool
     cpu_s: float
-    uid: int  # the unprivileged uid it ran as (no other sandbox had it at the same time)
+    uid: int  # the unprivileged uid it ran as (random in FIRST_UID + [0, UID_SPAN): a clash is unlikely)
     cpu_limited: bool = False  # killed for its CPU time (SIGXCPU at the soft limit, SIGKILL at the hard)
 
     def describe(self) -> str:
@@ -70,7 +70,10 @@ class SandboxResult:
         elif self.timed_out:
             parts.append("[error: the program ran past its time limit and was killed]")
         elif self.exit_code is not None and self.exit_code < 0:
-            name = signal.Signals(-self.exit_code).name
+            try:
+                name = signal.Signals(-self.exit_code).name
+            except ValueError:  # a real-time signal
+                name = f"signal {-self.exit_code}"
             reason = " (CPU time limit)" if self.cpu_limited else ""
             parts.append(f"[error: the program was killed by {name}{reason}]")
         elif self.exit_code:
@@ -109,8 +112,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     job = {
         "code": code, "root": root, "python": python, "python_prefix": prefix, "status_fd": status_write,
         "uid": FIRST_UID + secrets.randbelow(UID_SPAN), "cpu_s": int(limits.cpu_s), "memory_mb": limits.memory_mb,
-        "file_mb": limits.file_mb, "disk_mb": limits.disk_mb, "nproc": limits.nproc,
+        "file_mb": limits.file_mb, "disk_mb": limits.disk_mb, "nproc": limits.nproc, "wall_s": limits.wall_s,
     }
+    proc = None
     try:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(LAUNCHER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -122,6 +126,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         proc.stdin.close()
         return _collect(proc, status_read, limits, job["uid"])
     finally:
+        if proc is not None and proc.poll() is None:  # this side failed mid-call: nothing may outlive it
+            _kill(proc)
+            proc.wait()
         if status_write >= 0:
             os.close(status_write)
         os.close(status_read)

@@ -22,6 +22,7 @@ CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SYS_MOUNT_SETATTR, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 442, 0x8000, 0x1, 0x2
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 DEVICES = ("null", "zero", "random", "urandom")
 SETUP_FAILED = 125
@@ -43,8 +44,18 @@ def _mount(source, target, fstype, flags, data=None) -> None:
 
 
 def _bind_read_only(source: str, target: str) -> None:
+    """A recursive bind, read-only all the way down: mount_setattr(AT_RECURSIVE) where the kernel has it
+    (5.12+); else each mount under `target` (from mountinfo) remounted read-only."""
     _mount(source, target, None, MS_BIND | MS_REC)
-    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    at_fdcwd = ctypes.c_int(-100)
+    if libc.syscall(SYS_MOUNT_SETATTR, at_fdcwd, target.encode(), AT_RECURSIVE, attr, ctypes.sizeof(attr)) == 0:
+        return
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in points:
+        if point == target or point.startswith(target + "/"):
+            _mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
 
 
 def _build_root(root: str, job: dict) -> None:
@@ -89,11 +100,13 @@ def _exec_program(job: dict) -> None:
     }
     for kind, value in limits.items():
         resource.setrlimit(kind, value)
+    with open("/proc/self/oom_score_adj", "w") as f:  # out of memory, the kernel takes the sandbox first
+        f.write("1000")
     os.setgroups([])
     os.setgid(job["uid"])
     os.setuid(job["uid"])
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
-    os.closerange(3, 1 << 16)
+    os.closerange(3, max(1 << 16, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     env = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
            "PYTHONIOENCODING": "utf-8"}
     python = job["python"]
@@ -103,6 +116,9 @@ def _exec_program(job: dict) -> None:
 def _init(job: dict, status) -> None:
     """pid 1 of the namespace: build the root, run the program, report how it ended; never returns."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher killed -> the namespace dies
+    # The deadline holds even if the caller died: init exits, and with it every process in the namespace.
+    signal.signal(signal.SIGALRM, lambda *_: os._exit(SETUP_FAILED - 1))
+    signal.alarm(max(1, int(job["wall_s"] + 1)))
     try:
         _build_root(job["root"], job)
     except OSError as exc:
@@ -127,6 +143,10 @@ def _init(job: dict, status) -> None:
 
 
 def main() -> None:
+    caller = os.getppid()
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the caller killed -> so is this launcher
+    if os.getppid() != caller:
+        sys.exit(SETUP_FAILED)
     job = json.loads(sys.stdin.read())
     status = os.fdopen(job["status_fd"], "w")
     try:

@@ -16,6 +16,7 @@ outputs of an earlier run of the same step, in call order) makes it so without r
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class _Episode:
     forced: list[int] = field(default_factory=list)  # observation ids still to feed
     observations: list[tuple[int, ...]] = field(default_factory=list)
     turn_ended: bool = False  # set when a turn ends; the loop then hands it to the environment
+    turn_text: str = ""
     pending: Future | None = None
     answer: str = ""
     turns: int = 0
@@ -105,17 +107,35 @@ class _Episode:
         )
 
 
-class _Replay:
-    """The environment steps of an earlier run of this rollout, handed out in call order per row."""
+@dataclass(frozen=True)
+class RecordedStep:
+    """An environment's answer to one model turn, and which turn it answered (sha256 of its text)."""
 
-    def __init__(self, steps: dict[int, list[EnvStep]] | None):
+    turn_sha: str
+    step: EnvStep
+
+
+def turn_sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class _Replay:
+    """The environment steps of an earlier run of this rollout, handed out per row in call order
+    while the model writes the same turns; from a row's first other turn on, its environment runs
+    (a replayed step answers only the text it answered before)."""
+
+    def __init__(self, steps: dict[int, list[RecordedStep]] | None):
         self.steps = {row: list(s) for row, s in (steps or {}).items()}
-        self.record: dict[int, list[EnvStep]] = {}
+        self.record: dict[int, list[RecordedStep]] = {}
 
     def step(self, row: int, env: Environment, text: str) -> EnvStep:
-        queue = self.steps.get(row)
-        result = queue.pop(0) if queue else env.step(text)
-        self.record.setdefault(row, []).append(result)
+        queue, sha = self.steps.get(row), turn_sha(text)
+        if queue and queue[0].turn_sha == sha:
+            result = queue.pop(0).step
+        else:
+            self.steps[row] = []
+            result = env.step(text)
+        self.record.setdefault(row, []).append(RecordedStep(sha, result))
         return result
 
 
@@ -130,8 +150,8 @@ def run_episodes(
     stop_ids: Sequence[int],
     seed: int,
     pool: Executor,
-    replay: dict[int, list[EnvStep]] | None = None,
-) -> tuple[list[Trajectory], dict[int, list[EnvStep]]]:
+    replay: dict[int, list[RecordedStep]] | None = None,
+) -> tuple[list[Trajectory], dict[int, list[RecordedStep]]]:
     """Runs one episode per row (envs[i] already reset to first_messages[i]) and returns the
     trajectories and every environment step taken, per row in order (what `replay` takes)."""
     episodes = [_Episode(env, encoder.prompt_ids(messages)) for env, messages in zip(envs, first_messages)]
@@ -152,7 +172,7 @@ def run_episodes(
                         for e, t, lp in zip(episodes, sampled.tolist(), logprob.tolist())]
                 for row, e in enumerate(episodes):
                     if e.turn_ended:  # its environment runs beside the next forward
-                        e.turn_ended, e.pending = False, pool.submit(history.step, row, e.env, e.answer)
+                        e.turn_ended, e.pending = False, pool.submit(history.step, row, e.env, e.turn_text)
                 if all(e.done for e in episodes) or slot == limits.max_total_tokens - 1:
                     break
                 logits = steps.step(torch.tensor(feed, device=device), width + slot)
@@ -185,6 +205,9 @@ def _advance(e: _Episode, sampled: int, logprob: float, stops: set[int], limits:
     e.turn.append(sampled)
     if sampled in stops or len(e.turn) >= limits.max_new_tokens:
         e.turns += 1
+        # The environment reads the turn with its special tokens (a tool-call marker may be one), less
+        # the stop id; the reward reads it as a single-turn response is read: special tokens removed.
+        e.turn_text = tokenizer.decode(e.turn[:-1] if sampled in stops else e.turn)
         e.answer = tokenizer.decode(e.turn, skip_special_tokens=True)
         e.turn = []
         e.turn_ended = True
@@ -241,9 +264,9 @@ def trajectory_batch(trajectories: Sequence[Trajectory], pad_id: int, version: i
 class Journal(Protocol):
     """Where an RL step's environment steps are kept until the step commits (engine/stages/rl/tool_journal.py)."""
 
-    def replay(self, key: str) -> dict[int, list[EnvStep]] | None: ...
+    def replay(self, key: str) -> dict[int, list[RecordedStep]] | None: ...
 
-    def record(self, key: str, steps: dict[int, list[EnvStep]]) -> None: ...
+    def record(self, key: str, steps: dict[int, list[RecordedStep]]) -> None: ...
 
 
 class EpisodeSampler:

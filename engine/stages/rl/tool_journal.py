@@ -4,8 +4,10 @@ of calling the tools again: a tool may be slow, costly or not deterministic (a c
 judge), and the rerun's tokens, and so its weights, must be the killed run's.
 
 One file per step and rank, `inflight/tools_step_<n>_rank_<r>.json`: {identity, rollouts: {key:
-{row: [EnvStep as JSON, ...]}}}, rewritten after each chunk's episodes. A file of another identity
-(a config changed under resume.allow_config_change) is not replayed.
+{row: [{turn: sha256 of the turn's text, step: EnvStep as JSON}, ...]}}}, rewritten after each chunk's episodes. A file of another identity
+(a config changed under resume.allow_config_change) is not replayed, and a recorded step answers
+only the turn text it answered (a rerun on other weights, after an operator's rollback, calls the
+environment for the turns that differ).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import re
 
 from rlflow.engine.envs.base import EnvStep
+from rlflow.engine.rollout.episodes import RecordedStep
 from rlflow.engine.storage.checkpoint import CheckpointStore
 
 _NAME = re.compile(r"^tools_step_(\d+)_rank_(\d+)\.json$")
@@ -40,12 +43,12 @@ class ToolJournal:
         valid = isinstance(saved, dict) and saved.get("identity") == self.identity
         self.step, self.rollouts = step, dict(saved["rollouts"]) if valid else {}
 
-    def replay(self, key: str) -> dict[int, list[EnvStep]] | None:
+    def replay(self, key: str) -> dict[int, list[RecordedStep]] | None:
         """The recorded steps of rollout `key` (a chunk's sampling seed) per row, or None."""
         rows = self.rollouts.get(key)
         if rows is None:
             return None
-        return {int(row): [EnvStep(**s) for s in steps] for row, steps in rows.items()}
+        return {int(row): [RecordedStep(s["turn"], EnvStep(**s["step"])) for s in steps] for row, steps in rows.items()}
 
     def clear(self) -> None:
         """The stage ended: no step is in flight (a killed stage never gets here, so its record stays)."""
@@ -55,8 +58,11 @@ class ToolJournal:
                 self.store.remove_inflight(name)
         self.step, self.rollouts = None, {}
 
-    def record(self, key: str, steps: dict[int, list[EnvStep]]) -> None:
+    def record(self, key: str, steps: dict[int, list[RecordedStep]]) -> None:
         if self.step is None:
             raise RuntimeError("ToolJournal.record before begin(step)")
-        self.rollouts[key] = {str(row): [dataclasses.asdict(s) for s in s_list] for row, s_list in steps.items()}
+        self.rollouts[key] = {
+            str(row): [{"turn": r.turn_sha, "step": dataclasses.asdict(r.step)} for r in recorded]
+            for row, recorded in steps.items()
+        }
         self.store.write_inflight(self._name(self.step), {"identity": self.identity, "rollouts": self.rollouts})

@@ -87,6 +87,15 @@ def test_a_turn_cut_before_its_end_token_gets_the_end_from_the_template(tiny_cha
     assert tiny_chat_tokenizer.decode(cut) == "<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_template_that_cannot_write_tool_messages_is_refused_at_the_start(tiny_chat_tokenizer):
+    strict = make_chat_tokenizer(["hello"])
+    strict.chat_template = ("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+                            "{{ raise_exception('roles must be user or assistant') }}{% endif %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="cannot write a 'tool' message .*roles must be user or assistant"):
+        ConversationEncoder(strict, TOOLS)
+    ConversationEncoder(strict)  # without tools nothing asks it to
+
+
 def test_a_tokenizer_without_a_template_is_refused():
     bare = make_tokenizer(["hello"])
     with pytest.raises(ChatTemplateError, match="multi-turn rollouts need a chat template"):

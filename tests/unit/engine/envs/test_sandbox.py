@@ -5,6 +5,8 @@ process, standing in for the trainer, carries on."""
 import os
 import select
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -133,6 +135,26 @@ def test_a_million_lines_are_truncated_at_the_output_cap():
     assert result.truncated and len(result.stdout) + len(result.stderr) <= QUICK.output_bytes
     assert result.stdout.startswith("0\n1\n2\n")
     assert result.describe().endswith("[output truncated: the program wrote more than the tool keeps and was stopped]")
+
+
+@needs_root
+def test_a_caller_killed_mid_call_leaves_no_process_behind():
+    uid_offset = 4242 + os.getpid() % 1000
+    caller = subprocess.Popen([sys.executable, "-c", (
+        "from rlflow.engine.envs import sandbox\n"
+        f"sandbox.secrets.randbelow = lambda n: {uid_offset}\n"
+        "sandbox.run_python('import time\\ntime.sleep(600)', sandbox.SandboxLimits(wall_s=600))")])
+    uid = sandbox.FIRST_UID + uid_offset
+    deadline = time.monotonic() + 60
+    while not processes_of(uid) and time.monotonic() < deadline:  # the program is running
+        time.sleep(0.05)
+    assert processes_of(uid)
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 10
+    while processes_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(uid) == []
 
 
 @needs_root

@@ -3,6 +3,7 @@ bit for bit; the KV cache carries each row across its turns (the sampler's log-p
 forward's); rows end at different turns; and what a row gets does not depend on how long a tool
 took, so a replay of the tools' outputs reproduces the rollout without calling them."""
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -74,6 +75,16 @@ def test_what_a_row_gets_does_not_depend_on_tool_timing_and_a_replay_calls_no_to
     assert fast == slow
     replayed, again = rollout(tiny, [NoToolsNow() for _ in range(3)], seed=5, replay=record)
     assert replayed == fast and again == record
+
+
+def test_a_replayed_step_answers_only_the_turn_it_answered_before(tiny):
+    _, record = rollout(tiny, [ScriptedEnv(3)], seed=5)
+    stale = {0: [dataclasses.replace(r, turn_sha="another turn") if i == 1 else r for i, r in enumerate(record[0])]}
+    env = ScriptedEnv(3)
+    env.seen = ["turn 1"]  # as if it had answered the replayed first turn
+    trajectories, again = rollout(tiny, [env], seed=5, replay=stale)
+    assert len(env.seen) == 3  # turns 2 and 3 were answered by the environment, not the record
+    assert [r.turn_sha for r in again[0]] == [r.turn_sha for r in record[0]]
 
 
 def test_an_episode_past_its_turns_or_tokens_is_truncated_with_no_answer(tiny):

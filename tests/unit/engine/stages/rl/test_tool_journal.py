@@ -2,11 +2,13 @@
 step, per rank, and never across identities."""
 
 from rlflow.engine.envs.base import EnvStep
+from rlflow.engine.rollout.episodes import RecordedStep
 from rlflow.engine.stages.rl.tool_journal import ToolJournal
 from rlflow.engine.storage.checkpoint import CheckpointStore
 
-STEPS = {0: [EnvStep(observation=[{"role": "tool", "content": "42"}], info={"tool_calls": 1.0}),
-             EnvStep(done=True, reward=0.5)], 1: [EnvStep(done=True)]}
+STEPS = {0: [RecordedStep("a1", EnvStep(observation=[{"role": "tool", "content": "42"}], info={"tool_calls": 1.0})),
+             RecordedStep("b2", EnvStep(done=True, reward=0.5))], 1: [RecordedStep("c3", EnvStep(done=True))]}
+DONE = {0: [RecordedStep("d4", EnvStep(done=True))]}
 
 
 def commit(store: CheckpointStore, step: int) -> None:
@@ -21,14 +23,14 @@ def test_a_rerun_step_replays_what_it_recorded_until_a_checkpoint_holds_it(tmp_p
     assert journal.replay("7") is None
     journal.record("7", STEPS)
     journal.begin(2)
-    journal.record("9", {0: [EnvStep(done=True)]})
+    journal.record("9", DONE)
     rerun = ToolJournal(store, "id-1", rank=0)  # a new process after a kill, no checkpoint yet
     rerun.begin(1)
     assert rerun.replay("7") == STEPS and rerun.replay("8") is None
     commit(store, 1)
     rerun.begin(2)  # step 1 is in a checkpoint now: its record goes, step 2's stays
     assert store.inflight_names() == ["tools_step_000002_rank_0.json"]
-    assert rerun.replay("9") == {0: [EnvStep(done=True)]}
+    assert rerun.replay("9") == DONE
     rerun.clear()
     assert store.inflight_names() == []
 
