@@ -113,6 +113,12 @@ def _exec_program(job: dict) -> None:
     os.execve(python, [python, "-I", "-S", "-B", "main.py"], env)
 
 
+def _report(status, record: dict) -> None:
+    """One JSON line on the status pipe: how the program ended, or why the sandbox could not be built."""
+    status.write(json.dumps(record) + "\n")
+    status.flush()
+
+
 def _init(job: dict, status) -> None:
     """pid 1 of the namespace: build the root, run the program, report how it ended; never returns."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher killed -> the namespace dies
@@ -122,8 +128,7 @@ def _init(job: dict, status) -> None:
     try:
         _build_root(job["root"], job)
     except OSError as exc:
-        status.write(json.dumps({"setup_error": str(exc)}) + "\n")
-        status.flush()
+        _report(status, {"setup_error": str(exc)})
         os._exit(SETUP_FAILED)
     program = os.fork()
     if program == 0:
@@ -137,8 +142,7 @@ def _init(job: dict, status) -> None:
             break
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     end = {"exit": os.waitstatus_to_exitcode(wait_status), "cpu_s": usage.ru_utime + usage.ru_stime}
-    status.write(json.dumps(end) + "\n")
-    status.flush()
+    _report(status, end)
     os._exit(0)
 
 
@@ -153,8 +157,7 @@ def main() -> None:
         _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
         _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here is seen outside
     except OSError as exc:
-        status.write(json.dumps({"setup_error": str(exc)}) + "\n")
-        status.flush()
+        _report(status, {"setup_error": str(exc)})
         sys.exit(SETUP_FAILED)
     init = os.fork()
     if init == 0:

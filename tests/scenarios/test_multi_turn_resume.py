@@ -3,28 +3,21 @@ uninterrupted run, and its tools ran once: the rerun replays their outputs from 
 journal (engine/stages/rl/tool_journal.py). The environment (helpers.envs:CountingEnv) answers
 with how many calls had been made before, so a tool run again would change the tokens."""
 
-import json
 from pathlib import Path
 
 import pytest
 
+from helpers.chat_model import write_chat_model
 from helpers.stage_ctx import make_call
 from helpers.stage_worker import final_files, finish_worker, stable, start_worker
 from rlflow.engine.faults import KILLED_EXIT_CODE
 from rlflow.engine.storage.checkpoint import CheckpointStore
-from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat-model")
-    tokenizer = make_chat_tokenizer(["what is 12 plus 30", "the answer is 42", "result 17"])
-    make_tiny_model(tokenizer, seed=0).save_pretrained(root / "model", safe_serialization=True)
-    tokenizer.save_pretrained(root / "model")
-    rows = "".join(json.dumps({"prompt": f"what is {i} plus 30"}) + "\n" for i in range(4))
-    for name in ("prompts", "eval_prompts"):
-        (root / f"{name}.jsonl").write_text(rows)
-    return root
+    rows = [{"prompt": f"what is {i} plus 30"} for i in range(4)]
+    return write_chat_model(tmp_path_factory.mktemp("chat-model"), rows)
 
 
 def tree(chat_model, root, algorithm):

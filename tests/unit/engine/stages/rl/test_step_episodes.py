@@ -3,31 +3,23 @@ with the demo's chat tokenizer. Episodes of known lengths (helpers.envs:Scripted
 `turns` column each) show in env/* every step and in eval/env/* at the end; the model's tokens carry
 the loss and the weights move."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import RecordingSink, rl_inputs
+from helpers.chat_model import write_chat_model
 from helpers.stage_ctx import make_ctx
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
-from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tiny_model
 
 TURNS = [1, 2, 3, 2]  # mean 2: one tool call per episode on average
 
 
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    tokenizer = make_chat_tokenizer(["what is 12 plus 30", "the answer is 42", "tool says 17 and 34"])
-    make_tiny_model(tokenizer, seed=0).save_pretrained(root / "model", safe_serialization=True)
-    tokenizer.save_pretrained(root / "model")
     rows = [{"prompt": f"what is {i} plus 30", "turns": t} for i, t in enumerate(TURNS)]
-    for name in ("prompts", "eval_prompts"):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return write_chat_model(tmp_path_factory.mktemp("chat"), rows)
 
 
 def run(chat_run, tmp_path, algorithm: str):
