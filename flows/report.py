@@ -10,6 +10,7 @@ from typing import Any
 
 from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.config.schema import Config
+from rlflow.engine.data.records import prompt_text
 from rlflow.engine.stages.label_eval import RESULTS_FILE
 from rlflow.flows.compare import TABLE_COLUMNS, RoundRecord, format_cell, collect, plot_curves
 
@@ -19,7 +20,7 @@ h1{font-size:22px;margin-bottom:2px} h2{font-size:17px;margin-top:28px;border-bo
 .meta{color:#667;font-size:13px} img{max-width:100%;border:1px solid #e3e5ee}
 table{border-collapse:collapse;font-size:13px;margin:8px 0} th,td{padding:4px 10px;border-bottom:1px solid #e3e5ee}
 th{background:#f3f4f8;text-align:left} td.n{text-align:right;font-variant-numeric:tabular-nums}
-td.r{max-width:520px;font-family:ui-monospace,monospace;font-size:12px}
+td.r{max-width:520px;font-family:ui-monospace,monospace;font-size:12px;white-space:pre-wrap}
 """
 
 
@@ -57,9 +58,13 @@ def render_report(run_name: str, records: list[RoundRecord], png: bytes, samples
         parts.append(f"<h2>Round {round_index}: sample responses of the final policy</h2>")
         parts.append("<table class=samples><tr><th>prompt</th><th>response</th><th>gold</th><th>RM</th></tr>")
         for row in rows:
+            # An episode's transcript holds its tool calls and observations; a chat prompt its turns.
+            shown = row.get("transcript") or row.get("response")
             parts.append(
-                f"<tr><td>{html.escape(str(row.get('prompt')))}</td><td class=r>{html.escape(str(row.get('response')))}</td>"
-                f"<td class=n>{format_cell(row.get('gold_score'))}</td><td class=n>{format_cell(row.get('rm_score'))}</td></tr>"
+                f"<tr><td class=r>{html.escape(prompt_text(row.get('prompt') or ''))}</td>"
+                f"<td class=r>{html.escape(str(shown))}</td>"
+                f"<td class=n>{format_cell(row.get('gold_score'))}</td>"
+                f"<td class=n>{format_cell(row.get('rm_score'))}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")

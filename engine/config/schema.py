@@ -72,17 +72,20 @@ class RunConfig(Section):
 
 class DataConfig(Section):
     sft: str = "demo_assets/data/sft.jsonl"
-    """SFT rows (`prompt` + `response`, or chat `messages`): a JSONL, CSV or Parquet file or URL."""
+    """SFT rows (`prompt` + `response`, or chat `messages`: the last assistant turn is learned): a JSONL,
+    CSV or Parquet file or URL. Any `prompt` may be a conversation (docs/environments.md#conversations)."""
     sft_eval: str = "demo_assets/data/sft_eval.jsonl"
     """Held-out SFT rows: SFT's eval loss (and early stopping, sft.patience)."""
     preferences: str | None = "demo_assets/data/preferences.jsonl"
-    """Preference pairs (`prompt`, `chosen`, `rejected`) the reward model (or DPO) trains on; None:
-    online labels (label.*) only, measured with label.eval_fraction."""
+    """Preference pairs (`prompt`, `chosen`, `rejected`; or `chosen` and `rejected` as two whole
+    conversations) the reward model (or DPO) trains on; None: online labels (label.*) only, measured
+    with label.eval_fraction."""
     preferences_eval: str | None = "demo_assets/data/preferences_eval.jsonl"
     """Held-out pairs with clean gold labels: the reward model's rm/accuracy (DPO's held-out pairs too);
     None: none."""
     prompts: str = "demo_assets/data/prompts.jsonl"
-    """Prompts of the RL stage and of online labelling (`prompt`; other columns reach the score functions)."""
+    """Prompts of the RL stage and of online labelling (`prompt`: a string or the conversation so far;
+    other columns reach the score functions)."""
     eval_prompts: str = "demo_assets/data/eval_prompts.jsonl"
     """Prompts of the evaluations (during PPO and at each round's end)."""
     storage_options: dict[str, Any] = Field(default_factory=dict)

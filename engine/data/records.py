@@ -36,7 +36,7 @@ _DECOMPRESS_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 
 _SFT_HINT = "SFT rows need 'prompt' and 'response', or 'messages'"
 _PREF_HINT = "preference rows need 'prompt', 'chosen' and 'rejected'"
-_PROMPT_HINT = "prompt rows need 'prompt'"
+_PROMPT_HINT = "prompt rows need 'prompt': a string or a list of {role, content} messages"
 _LONE_CR = re.compile(r"(?<=\r)(?!\n|$)")  # split after a "\r" that does not end the text or start "\r\n"
 
 Prompt = str | tuple[dict, ...]
@@ -53,19 +53,20 @@ class SFTExample:
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """One reward-model example: the same prompt with a preferred and a rejected answer."""
+    """One reward-model example: the same prompt (a string or the conversation so far) with a
+    preferred and a rejected answer (the assistant turn that follows)."""
 
-    prompt: str
+    prompt: Prompt
     chosen: str
     rejected: str
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One RL prompt; `fields` holds every other column (e.g. a reference answer) so
-    scoring functions can use it without the loader knowing their names."""
+    """One RL prompt (a string or the conversation so far); `fields` holds every other column
+    (e.g. a reference answer) so scoring functions can use it without the loader knowing their names."""
 
-    prompt: str
+    prompt: Prompt
     fields: dict
 
 
@@ -298,14 +299,11 @@ def _require_str(url: str, lineno: int, row: dict, name: str, hint: str) -> str:
     return value
 
 
-def _parse_messages(url: str, lineno: int, messages: Any) -> SFTExample:
-    """Split a chat transcript into the prompt turns and the final assistant response."""
-    where = f"{url}:{lineno}: field 'messages'"
-    if not isinstance(messages, list) or len(messages) < 2:
+def _parse_turns(where: str, messages: Any, minimum: int, shape: str) -> tuple[dict, ...]:
+    """Validate a list of chat turns into {role, content} dicts; `shape` says what the list must be."""
+    if not isinstance(messages, list) or len(messages) < minimum:
         got = f"{len(messages)} message(s)" if isinstance(messages, list) else _describe(messages)
-        raise DataError(
-            f"{where} must be a list of at least 2 {{role, content}} objects ending with the assistant turn, got {got}"
-        )
+        raise DataError(f"{where} must be {shape}, got {got}")
     turns = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -315,6 +313,11 @@ def _parse_messages(url: str, lineno: int, messages: Any) -> SFTExample:
                 raise DataError(f"{where}[{i}] needs a string {key!r}, got {_describe(msg.get(key))}")
         # Only role/content: Parquet structs add null keys that would confuse chat templates.
         turns.append({"role": msg["role"], "content": msg["content"]})
+    return tuple(turns)
+
+
+def _split_last_assistant(where: str, turns: tuple[dict, ...]) -> tuple[tuple[dict, ...], str]:
+    """(the history, the final assistant turn's text) of a conversation that ends with the answer."""
     last = turns[-1]
     if last["role"] != "assistant":
         raise DataError(
@@ -322,7 +325,60 @@ def _parse_messages(url: str, lineno: int, messages: Any) -> SFTExample:
         )
     if not last["content"].strip():
         raise DataError(f"{where}: the final assistant message has empty content")
-    return SFTExample(prompt=tuple(turns[:-1]), response=last["content"])
+    return turns[:-1], last["content"]
+
+
+def _parse_messages(url: str, lineno: int, messages: Any) -> SFTExample:
+    """Split a chat transcript into the prompt turns and the final assistant response."""
+    where = f"{url}:{lineno}: field 'messages'"
+    shape = "a list of at least 2 {role, content} objects ending with the assistant turn"
+    history, response = _split_last_assistant(where, _parse_turns(where, messages, 2, shape))
+    return SFTExample(prompt=history, response=response)
+
+
+def _parse_prompt(url: str, lineno: int, row: dict, hint: str) -> Prompt:
+    """A prompt string, or the conversation so far as {role, content} turns (the model answers next)."""
+    value = row.get("prompt")
+    if not isinstance(value, list):
+        return _require_str(url, lineno, row, "prompt", hint)
+    where = f"{url}:{lineno}: field 'prompt'"
+    turns = _parse_turns(where, value, 1, "a non-empty list of {role, content} objects (the conversation so far)")
+    if turns[-1]["role"] == "assistant":
+        raise DataError(
+            f"{where}: the last message is the assistant's; a prompt ends with the turn the model answers "
+            "(move the answer to the response)"
+        )
+    return turns
+
+
+def _parse_answer(url: str, lineno: int, row: dict, key: str, hint: str) -> str:
+    """A response string, or one assistant turn as a one-message list (the conversational format)."""
+    value = row.get(key)
+    if not isinstance(value, list):
+        return _require_str(url, lineno, row, key, hint)
+    where = f"{url}:{lineno}: field {key!r}"
+    turns = _parse_turns(where, value, 1, "a string or a list holding the one assistant message")
+    if len(turns) != 1:
+        raise DataError(
+            f"{where} holds {len(turns)} messages with a 'prompt' field; give only the assistant's answer, "
+            "or drop 'prompt' and give both whole conversations"
+        )
+    return _split_last_assistant(where, turns)[1]
+
+
+def _implicit_prompt_pair(url: str, lineno: int, row: dict) -> PreferencePair:
+    """A pair given as two whole conversations that share every turn but the last assistant one."""
+    shape = "a list of at least 2 {role, content} objects ending with the assistant turn"
+    split = {}
+    for key in ("chosen", "rejected"):
+        where = f"{url}:{lineno}: field {key!r}"
+        split[key] = _split_last_assistant(where, _parse_turns(where, row[key], 2, shape))
+    if split["chosen"][0] != split["rejected"][0]:
+        raise DataError(
+            f"{url}:{lineno}: 'chosen' and 'rejected' differ before their last assistant turn; "
+            "without a 'prompt' field both must continue the same conversation"
+        )
+    return PreferencePair(prompt=split["chosen"][0], chosen=split["chosen"][1], rejected=split["rejected"][1])
 
 
 def load_sft_examples(url: str, storage_options: dict | None = None) -> list[SFTExample]:
@@ -332,28 +388,33 @@ def load_sft_examples(url: str, storage_options: dict | None = None) -> list[SFT
         if row.get("messages") is not None:
             examples.append(_parse_messages(url, lineno, row["messages"]))
             continue
-        prompt = _require_str(url, lineno, row, "prompt", _SFT_HINT)
+        prompt = _parse_prompt(url, lineno, row, _SFT_HINT)
         response = _require_str(url, lineno, row, "response", _SFT_HINT)
         examples.append(SFTExample(prompt=prompt, response=response))
     return examples
 
 
 def load_preference_pairs(url: str, storage_options: dict | None = None) -> list[PreferencePair]:
-    """Load reward-model pairs from rows with `prompt`, `chosen` and `rejected` strings."""
+    """Load reward-model pairs: `prompt` (a string or the conversation so far) with `chosen` and
+    `rejected` answers (strings or one assistant message each), or, without `prompt`, `chosen` and
+    `rejected` as two whole conversations that differ only in their last assistant turn."""
     pairs = []
     for lineno, row in read_rows(url, storage_options):
-        prompt, chosen, rejected = (
-            _require_str(url, lineno, row, key, _PREF_HINT) for key in ("prompt", "chosen", "rejected")
-        )
+        if row.get("prompt") is None and isinstance(row.get("chosen"), list) and isinstance(row.get("rejected"), list):
+            pairs.append(_implicit_prompt_pair(url, lineno, row))
+            continue
+        prompt = _parse_prompt(url, lineno, row, _PREF_HINT)
+        chosen, rejected = (_parse_answer(url, lineno, row, key, _PREF_HINT) for key in ("chosen", "rejected"))
         pairs.append(PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected))
     return pairs
 
 
 def load_prompts(url: str, storage_options: dict | None = None) -> list[PromptRecord]:
-    """Load RL prompts; every column except `prompt` is kept in `fields` for scoring."""
+    """Load RL prompts (a string, or the conversation so far as {role, content} turns); every column
+    except `prompt` is kept in `fields` for scoring."""
     records = []
     for lineno, row in read_rows(url, storage_options):
-        prompt = _require_str(url, lineno, row, "prompt", _PROMPT_HINT)
+        prompt = _parse_prompt(url, lineno, row, _PROMPT_HINT)
         fields = {k: v for k, v in row.items() if k != "prompt"}
         records.append(PromptRecord(prompt=prompt, fields=fields))
     return records
@@ -375,6 +436,14 @@ def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     return "\n".join(m["content"] for m in messages)
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """A prompt as one readable string (for reports and error messages): a conversation's turns
+    as "role: content" lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{turn['role']}: {turn['content']}" for turn in prompt)
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, overflow: str) -> EncodedPrompts:

@@ -29,7 +29,8 @@ class EnvStep:
 @runtime_checkable
 class Environment(Protocol):
     def reset(self, row: dict[str, Any]) -> list[Message]:
-        """The first messages for a data row (its `prompt` or `messages`, and any other fields)."""
+        """The first messages for a data row: its `prompt` (a string, or the conversation so far as a
+        tuple of {role, content} turns) and its other fields."""
 
     def step(self, assistant_message: str) -> EnvStep:
         """The answer to the model's turn (its text, decoded from the sampled ids)."""

@@ -34,7 +34,8 @@ class ToolEnv:
         return [tool.schema() for tool in self.tools.values()]
 
     def reset(self, row: dict[str, Any]) -> list[Message]:
-        messages = list(row["messages"]) if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+        prompt = row["prompt"]  # a string, or the conversation so far as {role, content} turns
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(t) for t in prompt]
         if self.system is not None and not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": self.system})
         return messages

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe, wait
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from rlflow.engine.data.records import prompt_text
 from rlflow.engine.errors import ConfigError, RewardSourceError
 from rlflow.engine.rewards.pool_worker import CALL_COUNTER, build_scorer, check_function_kwargs, source_spec
 
@@ -156,7 +157,7 @@ class _Batch:
             self.scores[spec["name"]][index] = outcome
             return
         what = f"fn {spec['fn']}" if spec["type"] == "function" else f"type {spec['type']}"
-        prompt, response = self.job.prompts[index], self.job.responses[index]
+        prompt, response = prompt_text(self.job.prompts[index]), self.job.responses[index]
         message = (
             f"reward source {spec['name']!r} ({what}) failed on sample {index} "
             f"(prompt {prompt[:60]!r}, response {response[:60]!r}): {outcome}"

@@ -81,9 +81,9 @@ def test_the_report_shows_the_run_its_rounds_numbers_and_samples(run):
     assert f"src='data:image/png;base64,{base64.b64encode(png).decode()}'" in report  # the figure inlined
     assert "<h2>Round 0: sample responses of the final policy</h2>" in report
     assert "<h2>Round 1: sample responses of the final policy</h2>" in report
-    assert report.count("<td>r0 prompt ") == 12
+    assert report.count("<td class=r>r0 prompt ") == 12
     # prompts and responses are escaped, scores formatted like the table's cells
-    assert "<td>r0 prompt 2 &lt;b&gt;</td><td class=r>answer 2 &amp; more</td>" in report
+    assert "<td class=r>r0 prompt 2 &lt;b&gt;</td><td class=r>answer 2 &amp; more</td>" in report
     assert "<td class=n>0.2500</td><td class=n>-0.5000</td></tr>" in report
     assert "<b>" not in report and report.endswith("</body></html>")
 
@@ -97,3 +97,15 @@ def test_a_run_name_and_a_missing_score_are_escaped_and_dashed():
     assert "<td class=n>-</td><td class=n>-</td></tr>" in report  # no gold and no RM score
     assert f"base64,{base64.b64encode(b'png').decode()}'" in report
     assert "1 round(s)" in report
+
+
+def test_a_chat_prompt_shows_its_turns_and_an_episode_its_transcript():
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "2+2?"}]
+    rows = {0: [
+        {"prompt": chat, "response": "4", "gold_score": 1.0},
+        {"prompt": "p", "response": "17", "transcript": "<tool_call>{}</tool_call>\n<tool>17</tool>\n17"},
+    ]}
+    report = render_report("x", [RoundRecord("x", 0, {})], b"png", rows)
+    assert "<td class=r>user: hi\nassistant: yo\nuser: 2+2?</td><td class=r>4</td>" in report
+    assert "<td class=r>&lt;tool_call&gt;{}&lt;/tool_call&gt;\n&lt;tool&gt;17&lt;/tool&gt;\n17</td>" in report

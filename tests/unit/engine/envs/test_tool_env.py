@@ -28,6 +28,8 @@ def test_mistakes_come_back_as_tool_messages():
 def test_multi_turn_rows_keep_their_history_and_unknown_tools_are_refused():
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                {"role": "user", "content": "2+2?"}]
-    assert ToolEnv().reset({"messages": history}) == history
+    prompt = tuple(history)  # how load_prompts gives a conversation
+    assert ToolEnv().reset({"prompt": prompt}) == history
+    assert ToolEnv(system="S").reset({"prompt": prompt})[0] == {"role": "system", "content": "S"}
     with pytest.raises(ValueError, match="unknown tool 'shell'; valid: calculator, python"):
         builtin_tool("shell")
