@@ -17,10 +17,12 @@ class PromptResponseIds:
     response: list[int]  # ends with EOS when the text was complete
 
 
-def encode_pair(tokenizer: Any, prompt: Any, response: str, max_tokens: int) -> PromptResponseIds:
-    """Token ids of a formatted prompt and its response + EOS, cut to max_tokens in total
-    (the prompt keeps its last tokens; the response keeps at least one token)."""
-    prompt_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+def encode_pair(
+    tokenizer: Any, prompt: Any, response: str, max_tokens: int, tools: Sequence[dict] = ()
+) -> PromptResponseIds:
+    """Token ids of a formatted prompt (its `tools` schemas shown) and its response + EOS, cut to
+    max_tokens in total (the prompt keeps its last tokens; the response keeps at least one token)."""
+    prompt_ids = tokenizer(format_prompt(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     response_ids = response_ids[: max(1, max_tokens - 1)]
     prompt_ids = prompt_ids[-max(1, max_tokens - len(response_ids)) :]

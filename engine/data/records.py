@@ -15,13 +15,22 @@ import json
 import lzma
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.utils import infer_compression
+from rlflow.engine.data.conversations import (
+    Prompt,
+    parse_answer,
+    parse_prompt,
+    parse_tools,
+    parse_turns,
+    require_str,
+    split_last_assistant,
+)
 from rlflow.engine.errors import DataError
 from rlflow.engine.storage.errors import STORAGE_ERRORS, describe_storage_error
 
@@ -39,9 +48,6 @@ _PREF_HINT = "preference rows need 'prompt', 'chosen' and 'rejected'"
 _PROMPT_HINT = "prompt rows need 'prompt': a string or a list of {role, content} messages"
 _LONE_CR = re.compile(r"(?<=\r)(?!\n|$)")  # split after a "\r" that does not end the text or start "\r\n"
 
-Prompt = str | tuple[dict, ...]
-
-
 @dataclass(frozen=True)
 class SFTExample:
     """One supervised example: a prompt string or the chat turns before the final
@@ -49,6 +55,7 @@ class SFTExample:
 
     prompt: Prompt
     response: str
+    tools: tuple[dict, ...] = ()  # function schemas the chat template shows (the row's `tools`)
 
 
 @dataclass(frozen=True)
@@ -279,91 +286,15 @@ def read_rows(url: str, storage_options: dict | None = None) -> list[tuple[int, 
     return rows
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _describe(value: Any) -> str:
-    """Short description of a bad value for error messages."""
-    if isinstance(value, str):
-        return "an empty string"
-    return "null" if value is None else type(value).__name__
-
-
-def _require_str(url: str, lineno: int, row: dict, name: str, hint: str) -> str:
-    """Return row[name] if it is a non-blank string, else raise a DataError naming it."""
-    if name not in row or row[name] is None:
-        raise DataError(f"{url}:{lineno}: missing field {name!r} ({hint})")
-    value = row[name]
-    if not isinstance(value, str) or not value.strip():
-        raise DataError(f"{url}:{lineno}: field {name!r} must be a non-empty string, got {_describe(value)} ({hint})")
-    return value
-
-
-def _parse_turns(where: str, messages: Any, minimum: int, shape: str) -> tuple[dict, ...]:
-    """Validate a list of chat turns into {role, content} dicts; `shape` says what the list must be."""
-    if not isinstance(messages, list) or len(messages) < minimum:
-        got = f"{len(messages)} message(s)" if isinstance(messages, list) else _describe(messages)
-        raise DataError(f"{where} must be {shape}, got {got}")
-    turns = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise DataError(f"{where}[{i}] must be a {{role, content}} object, got {_describe(msg)}")
-        for key in ("role", "content"):
-            if not isinstance(msg.get(key), str):
-                raise DataError(f"{where}[{i}] needs a string {key!r}, got {_describe(msg.get(key))}")
-        # Only role/content: Parquet structs add null keys that would confuse chat templates.
-        turns.append({"role": msg["role"], "content": msg["content"]})
-    return tuple(turns)
-
-
-def _split_last_assistant(where: str, turns: tuple[dict, ...]) -> tuple[tuple[dict, ...], str]:
-    """(the history, the final assistant turn's text) of a conversation that ends with the answer."""
-    last = turns[-1]
-    if last["role"] != "assistant":
-        raise DataError(
-            f"{where}: the last message must have role 'assistant' (it is the response to learn), got {last['role']!r}"
-        )
-    if not last["content"].strip():
-        raise DataError(f"{where}: the final assistant message has empty content")
-    return turns[:-1], last["content"]
+# --------------------------------------------------------------------------- records
 
 
 def _parse_messages(url: str, lineno: int, messages: Any) -> SFTExample:
     """Split a chat transcript into the prompt turns and the final assistant response."""
     where = f"{url}:{lineno}: field 'messages'"
     shape = "a list of at least 2 {role, content} objects ending with the assistant turn"
-    history, response = _split_last_assistant(where, _parse_turns(where, messages, 2, shape))
+    history, response = split_last_assistant(where, parse_turns(where, messages, 2, shape))
     return SFTExample(prompt=history, response=response)
-
-
-def _parse_prompt(url: str, lineno: int, row: dict, hint: str) -> Prompt:
-    """A prompt string, or the conversation so far as {role, content} turns (the model answers next)."""
-    value = row.get("prompt")
-    if not isinstance(value, list):
-        return _require_str(url, lineno, row, "prompt", hint)
-    where = f"{url}:{lineno}: field 'prompt'"
-    turns = _parse_turns(where, value, 1, "a non-empty list of {role, content} objects (the conversation so far)")
-    if turns[-1]["role"] == "assistant":
-        raise DataError(
-            f"{where}: the last message is the assistant's; a prompt ends with the turn the model answers "
-            "(move the answer to the response)"
-        )
-    return turns
-
-
-def _parse_answer(url: str, lineno: int, row: dict, key: str, hint: str) -> str:
-    """A response string, or one assistant turn as a one-message list (the conversational format)."""
-    value = row.get(key)
-    if not isinstance(value, list):
-        return _require_str(url, lineno, row, key, hint)
-    where = f"{url}:{lineno}: field {key!r}"
-    turns = _parse_turns(where, value, 1, "a string or a list holding the one assistant message")
-    if len(turns) != 1:
-        raise DataError(
-            f"{where} holds {len(turns)} messages with a 'prompt' field; give only the assistant's answer, "
-            "or drop 'prompt' and give both whole conversations"
-        )
-    return _split_last_assistant(where, turns)[1]
 
 
 def _implicit_prompt_pair(url: str, lineno: int, row: dict) -> PreferencePair:
@@ -372,7 +303,7 @@ def _implicit_prompt_pair(url: str, lineno: int, row: dict) -> PreferencePair:
     split = {}
     for key in ("chosen", "rejected"):
         where = f"{url}:{lineno}: field {key!r}"
-        split[key] = _split_last_assistant(where, _parse_turns(where, row[key], 2, shape))
+        split[key] = split_last_assistant(where, parse_turns(where, row[key], 2, shape))
     if split["chosen"][0] != split["rejected"][0]:
         raise DataError(
             f"{url}:{lineno}: 'chosen' and 'rejected' differ before their last assistant turn; "
@@ -382,15 +313,16 @@ def _implicit_prompt_pair(url: str, lineno: int, row: dict) -> PreferencePair:
 
 
 def load_sft_examples(url: str, storage_options: dict | None = None) -> list[SFTExample]:
-    """Load SFT examples from rows with `prompt`+`response` strings or a `messages` list."""
+    """Load SFT examples from rows with `prompt`+`response` strings or a `messages` list, each with
+    optional `tools` (function schemas, rendered into the prompt as an episode's prompt is)."""
     examples = []
     for lineno, row in read_rows(url, storage_options):
         if row.get("messages") is not None:
-            examples.append(_parse_messages(url, lineno, row["messages"]))
-            continue
-        prompt = _parse_prompt(url, lineno, row, _SFT_HINT)
-        response = _require_str(url, lineno, row, "response", _SFT_HINT)
-        examples.append(SFTExample(prompt=prompt, response=response))
+            example = _parse_messages(url, lineno, row["messages"])
+        else:
+            prompt = parse_prompt(url, lineno, row, _SFT_HINT)
+            example = SFTExample(prompt=prompt, response=require_str(url, lineno, row, "response", _SFT_HINT))
+        examples.append(SFTExample(example.prompt, example.response, parse_tools(url, lineno, row.get("tools"))))
     return examples
 
 
@@ -403,8 +335,8 @@ def load_preference_pairs(url: str, storage_options: dict | None = None) -> list
         if row.get("prompt") is None and isinstance(row.get("chosen"), list) and isinstance(row.get("rejected"), list):
             pairs.append(_implicit_prompt_pair(url, lineno, row))
             continue
-        prompt = _parse_prompt(url, lineno, row, _PREF_HINT)
-        chosen, rejected = (_parse_answer(url, lineno, row, key, _PREF_HINT) for key in ("chosen", "rejected"))
+        prompt = parse_prompt(url, lineno, row, _PREF_HINT)
+        chosen, rejected = (parse_answer(url, lineno, row, key, _PREF_HINT) for key in ("chosen", "rejected"))
         pairs.append(PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected))
     return pairs
 
@@ -414,7 +346,7 @@ def load_prompts(url: str, storage_options: dict | None = None) -> list[PromptRe
     except `prompt` is kept in `fields` for scoring."""
     records = []
     for lineno, row in read_rows(url, storage_options):
-        prompt = _parse_prompt(url, lineno, row, _PROMPT_HINT)
+        prompt = parse_prompt(url, lineno, row, _PROMPT_HINT)
         fields = {k: v for k, v in row.items() if k != "prompt"}
         records.append(PromptRecord(prompt=prompt, fields=fields))
     return records
@@ -423,27 +355,26 @@ def load_prompts(url: str, storage_options: dict | None = None) -> list[PromptRe
 # --------------------------------------------------------------------------- tokens
 
 
-def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
+def format_prompt(tokenizer: Any, prompt: Prompt, tools: Sequence[dict] = ()) -> str:
     """Render a prompt as the text the model should continue.
 
     With a chat template the prompt goes through it with the generation prompt appended
-    (a plain string becomes one user turn); without one, strings pass through unchanged
-    and chat turns are joined by newlines.
+    (a plain string becomes one user turn) and the `tools` schemas as a tool-using episode shows
+    them; without one, strings pass through unchanged and chat turns are joined by newlines.
     """
+    from rlflow.engine.envs.chat import render_prompt
+
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_prompt(tokenizer, messages, tools)
+    if tools:
+        raise DataError(
+            "data.sft rows with 'tools' need a chat template: "
+            "set data.chat_template: auto, with a tokenizer that has one"
+        )
     if isinstance(prompt, str):
         return prompt
     return "\n".join(m["content"] for m in messages)
-
-
-def prompt_text(prompt: Prompt) -> str:
-    """A prompt as one readable string (for reports and error messages): a conversation's turns
-    as "role: content" lines."""
-    if isinstance(prompt, str):
-        return prompt
-    return "\n".join(f"{turn['role']}: {turn['content']}" for turn in prompt)
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, overflow: str) -> EncodedPrompts:

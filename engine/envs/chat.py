@@ -76,6 +76,17 @@ def with_tool_instructions(messages: list[Message], tools: list[dict]) -> list[M
     return [{"role": "system", "content": text}, *messages]
 
 
+def render_prompt(tokenizer: Any, messages: Sequence[Message], tools: Sequence[dict] = ()) -> str:
+    """The conversation so far as the template writes it, ending with the generation prompt, the tool
+    schemas included: passed as `tools=` where the template renders them, else as a system message
+    (with_tool_instructions). SFT rows with `tools` and episode prompts both come from here, so a
+    policy is trained on the prompt it will be sampled from."""
+    tools = list(tools)
+    if tools and not template_renders_tools(tokenizer, tools):
+        return _render(tokenizer, with_tool_instructions(list(messages), tools), None, True)
+    return _render(tokenizer, messages, tools or None, True)
+
+
 class ConversationEncoder:
     """Token ids of a conversation's first messages and of each observation after a model turn."""
 
@@ -95,16 +106,9 @@ class ConversationEncoder:
                     f"the chat template cannot write a 'tool' message ({type(exc).__name__}: {exc}); tool results need"
                     " a template with tool turns (e.g. rlflow.engine.envs.chat.CHATML_TOOLS_TEMPLATE)") from None
 
-    def first_messages(self, messages: list[Message]) -> list[Message]:
-        """The messages as the template will see them (tool instructions added where it cannot show tools)."""
-        if self.tools and not self.template_tools:
-            return with_tool_instructions(messages, self.tools)
-        return list(messages)
-
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         """The first messages rendered with the generation prompt, tokenised: the trajectory's start."""
-        text = _render(self.tokenizer, self.first_messages(messages), self._tools_arg(), True)
-        return self._encode(text)
+        return self._encode(render_prompt(self.tokenizer, messages, self.tools))
 
     def observation_ids(self, new_messages: list[Message], last_generated_id: int | None) -> list[int]:
         """Ids to append after a model turn that ended with `last_generated_id`: the template's end of an

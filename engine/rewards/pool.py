@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe, wait
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from rlflow.engine.data.records import prompt_text
+from rlflow.engine.data.conversations import prompt_text
 from rlflow.engine.errors import ConfigError, RewardSourceError
 from rlflow.engine.rewards.pool_worker import CALL_COUNTER, build_scorer, check_function_kwargs, source_spec
 

@@ -237,7 +237,7 @@ class _RewardModelSteps:
         cfg, data, metrics = self.cfg, self.data, self.metrics
         if last:
             reference = [
-                encode_pair(self.tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
+                encode_pair(self.tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens, ex.tools)
                 for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]
             ]
             scores = score_statistics(self.engine.forward, reference, self.pad)

@@ -99,7 +99,7 @@ def run_sft_stage(ctx: StageContext, inputs: SFTStageInputs, start: StageStart) 
     if inputs.model.lora_for("sft"):
         ctx.sink.log_metrics(lora_metrics("policy", engine.model), 0)
     engine.train()
-    encode = lambda ex: encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens)
+    encode = lambda ex: encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens, ex.tools)
     train_rows = [encode(ex) for ex in load_sft_examples(data.sft, data.storage_options)]
     eval_rows = [encode(ex) for ex in load_sft_examples(data.sft_eval, data.storage_options)]
     step, state = 0, {"best_eval_loss": float("inf"), "bad_evals": 0}

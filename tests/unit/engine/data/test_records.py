@@ -101,42 +101,6 @@ def test_messages_format_jsonl_and_parquet(tmp_path):
     assert load_sft_examples(str(path)) == expected
 
 
-def test_conversations_as_prompts_and_preferences(tmp_path):
-    history = CHAT + [{"role": "user", "content": "And in French?"}]
-    url = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": history, "answer": "Bonjour"}, {"prompt": "plain"}])
-    assert load_prompts(url) == [PromptRecord(tuple(history), {"answer": "Bonjour"}), PromptRecord("plain", {})]
-    path = tmp_path / "prompts.parquet"
-    pd.DataFrame({"prompt": [history]}).to_parquet(path)
-    assert load_prompts(str(path)) == [PromptRecord(tuple(history), {})]
-    answer = lambda text: [{"role": "assistant", "content": text}]
-    rows = [
-        {"prompt": history, "chosen": answer("Bonjour !"), "rejected": "Hola"},  # TRL's conversational form
-        {"chosen": history + answer("Bonjour !"), "rejected": history + answer("Hola")},  # the implicit prompt
-    ]
-    expected = PreferencePair(prompt=tuple(history), chosen="Bonjour !", rejected="Hola")
-    assert load_preference_pairs(write_jsonl(tmp_path / "prefs.jsonl", rows)) == [expected, expected]
-    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": history, "response": "Bonjour"}])
-    assert load_sft_examples(sft) == [SFTExample(prompt=tuple(history), response="Bonjour")]
-
-
-def test_bad_conversations_name_the_line_and_the_fix(tmp_path):
-    answer = [{"role": "assistant", "content": "a"}]
-    cases = [
-        ("prompts", {"prompt": CHAT}, "the last message is the assistant's"),
-        ("prompts", {"prompt": []}, "a non-empty list of {role, content} objects"),
-        ("prompts", {"prompt": [{"role": "user", "content": 3}]}, "[0] needs a string 'content', got int"),
-        ("prefs", {"prompt": CHAT[:2], "chosen": CHAT, "rejected": "b"}, "'chosen' holds 3 messages with a 'prompt'"),
-        ("prefs", {"prompt": "p", "chosen": [CHAT[1]], "rejected": "b"}, "the last message must have role 'assistant'"),
-        ("prefs", {"chosen": CHAT[:2] + answer, "rejected": CHAT[1:2] + answer}, "differ before their last assistant"),
-        ("prefs", {"chosen": answer, "rejected": answer}, "'chosen' must be a list of at least 2"),
-    ]
-    for kind, row, fragment in cases:
-        url = write_jsonl(tmp_path / f"{kind}.jsonl", [row])
-        loader = load_prompts if kind == "prompts" else load_preference_pairs
-        message = raises_data_error(loader, url)
-        assert message.startswith(f"{url}:1:") and fragment in message, (row, message)
-
-
 # --------------------------------------------------------------------------- errors
 
 

@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct's own tokenizer and template (which ignores `tools=`)."""
 import pytest
 from transformers import AutoTokenizer
 
-from rlflow.engine.envs.chat import ChatTemplateError, ConversationEncoder
+from rlflow.engine.data.batching import encode_pair
+from rlflow.engine.envs.chat import ChatTemplateError, ConversationEncoder, with_tool_instructions
 from rlflow.engine.envs.tools import CALCULATOR
 from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tokenizer
 
@@ -37,7 +38,8 @@ def test_the_ids_spell_what_the_template_renders_for_the_whole_conversation(whic
     turn = sampled_turn(tokenizer, CALL)
     observation = [{"role": "tool", "content": "7006652"}]
     ids = ids + turn + encoder.observation_ids(observation, turn[-1])
-    conversation = encoder.first_messages(first) + [{"role": "assistant", "content": CALL}] + observation
+    shown = first if encoder.template_tools else with_tool_instructions(first, TOOLS)
+    conversation = shown + [{"role": "assistant", "content": CALL}] + observation
     expected = tokenizer.apply_chat_template(
         conversation, tools=TOOLS if encoder.template_tools else None, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(ids) == expected
@@ -100,3 +102,14 @@ def test_a_tokenizer_without_a_template_is_refused():
     bare = make_tokenizer(["hello"])
     with pytest.raises(ChatTemplateError, match="multi-turn rollouts need a chat template"):
         ConversationEncoder(bare)
+
+
+@pytest.mark.parametrize("which", ["tiny_chat_tokenizer", "smollm2_tokenizer"])
+def test_an_sft_row_with_tools_is_trained_on_the_prompt_its_episode_samples_from(which, request):
+    tokenizer = request.getfixturevalue(which)
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what is 1234 times 5678"}]
+    row = encode_pair(tokenizer, tuple(first), CALL, 512, TOOLS)
+    assert row.prompt == ConversationEncoder(tokenizer, TOOLS).prompt_ids(first)
+    assert row.response == sampled_turn(tokenizer, CALL)  # the call, then the end of turn the episode stops on
+    assert '"calculator"' in tokenizer.decode(row.prompt)
+    assert encode_pair(tokenizer, tuple(first), CALL, 512).prompt != row.prompt  # no tools, no schemas
