@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo demo-arith demo-real demo-real-rlhf test test-slow clean up down status bench
+.PHONY: install demo demo-arith demo-tools demo-real demo-real-rlhf test test-slow clean up down status bench
 
 install: $(STAMP)
 
@@ -37,6 +37,12 @@ demo: install
 demo-arith: install
 	$(VENV)/bin/rlflow demo-assets --task arith demo_assets/arith
 	$(VENV)/bin/rlflow run configs/demo_arith.yaml $(ARGS)
+
+# The tool-use demo (rlflow.engine.tasksets.calculator, docs/environments.md): SFT on a sloppy
+# annotator's calculator episodes, then GRPO on exact match with every prompt a multi-turn episode.
+demo-tools: install
+	$(VENV)/bin/rlflow demo-assets --task tools demo_assets/tools
+	$(VENV)/bin/rlflow run configs/demo_tools.yaml $(ARGS)
 
 # A real pretrained model on a real task (docs/real-model.md): SmolLM2-135M-Instruct from its wheel,
 # converted once, and GRPO against reasoning-gym's chain_sum verifier. ~30 min on 2 CPU cores.

@@ -32,16 +32,18 @@ TOOLS_SYSTEM_PROMPT = (
 
 
 # ChatML with tool turns, for tokenizers that come without a template (the demo's): it renders
-# `tools=` Hermes-style in the system turn, an assistant message's `tool_calls` as <tool_call> JSON
+# `tools=` in the system turn, one line per tool (name(arguments): description; short, so a tiny
+# model's prompts stay short), an assistant message's `tool_calls` as <tool_call> JSON
 # (what parse_hermes reads back) and a tool result as a `tool` turn. (HF renders templates
 # with trim_blocks: a newline right after a block tag is dropped, hence the `{{ '\n' }}`.)
 CHATML_TOOLS_TEMPLATE = (
     "{% set system = messages[0].content if messages and messages[0].role == 'system' else none %}"
     "{% if tools or system is not none %}<|im_start|>system\n"
     "{% if system is not none %}{{ system }}{% if tools %}{{ '\n\n' }}{% endif %}{% endif %}"
-    "{% if tools %}You can call these tools. To call one, write <tool_call>{\"name\": <tool name>, "
-    "\"arguments\": <an object>}</tool_call> and end your turn.\n<tools>"
-    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>{% endif %}"
+    "{% if tools %}Tools:{% for tool in tools %}{% set fn = tool.function or tool %}{{ '\n' }}"
+    "{{ fn.name }}({{ fn.parameters.properties | join(', ') }}): {{ fn.description }}{% endfor %}{{ '\n' }}"
+    "To call one, write <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> and end your turn."
+    "{% endif %}"
     "<|im_end|>\n{% endif %}"
     "{% for message in messages %}{% if not (loop.first and message.role == 'system') %}"
     "<|im_start|>{{ message.role }}\n{{ message.content or '' }}"

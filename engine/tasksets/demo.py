@@ -143,17 +143,20 @@ def make_tokenizer(corpus: list[str], vocab_size: int = 360):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def make_chat_tokenizer(corpus: list[str], vocab_size: int = 512):
+def make_chat_tokenizer(corpus: list[str], vocab_size: int = 512, split_digits: bool = False):
     """A byte-level BPE tokenizer (as SmolLM2's, Llama 3's, Qwen's: any text encodes, and
     decode(encode(x)) == x) with ChatML's turn tokens and a template that renders tools and tool turns
-    (engine/envs/chat.py CHATML_TOOLS_TEMPLATE); `<|im_end|>` ends a turn. For multi-turn demos."""
+    (engine/envs/chat.py CHATML_TOOLS_TEMPLATE); `<|im_end|>` ends a turn. For multi-turn demos.
+    `split_digits`: every digit its own token (as Llama 3's and Qwen's), so a number is copied digit by digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from rlflow.engine.envs.chat import CHATML_TOOLS_TEMPLATE
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level]) if split_digits else byte_level
     tok.decoder = decoders.ByteLevel()
     specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()

@@ -136,6 +136,11 @@ def command_demo_assets(args: argparse.Namespace) -> int:
 
         print(make_arith_assets(args.dir or DEFAULT_DIR, seed=args.seed))
         return 0
+    if args.task == "tools":  # configs/demo_tools.yaml's tool-use task
+        from rlflow.engine.tasksets.calculator import DEFAULT_DIR, make_tools_assets
+
+        print(make_tools_assets(args.dir or DEFAULT_DIR, seed=args.seed))
+        return 0
     from rlflow.engine.tasksets.demo import make_demo_assets
 
     print(make_demo_assets(args.dir or "demo_assets", seed=args.seed))
@@ -163,8 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (compare, deploy, labels, export, import_model, data, doctor, estimate, probe, config_keys):
         module.add_parser(sub)
     assets = sub.add_parser("demo-assets", help="write the demo data, tokenizer and tiny model")
-    assets.add_argument("dir", nargs="?", help="default: demo_assets (task demo), demo_assets/arith (task arith)")
-    assets.add_argument("--task", choices=("demo", "arith"), default="demo", help="which demo task (default: demo)")
+    assets.add_argument(
+        "dir", nargs="?", help="default: demo_assets (task demo), demo_assets/arith (arith), demo_assets/tools (tools)"
+    )
+    assets.add_argument(
+        "--task", choices=("demo", "arith", "tools"), default="demo", help="which demo task (default: demo)"
+    )
     assets.add_argument("--seed", type=int, default=1234)
     assets.set_defaults(handler=command_demo_assets)
     return parser

@@ -111,5 +111,5 @@ def test_an_sft_row_with_tools_is_trained_on_the_prompt_its_episode_samples_from
     row = encode_pair(tokenizer, tuple(first), CALL, 512, TOOLS)
     assert row.prompt == ConversationEncoder(tokenizer, TOOLS).prompt_ids(first)
     assert row.response == sampled_turn(tokenizer, CALL)  # the call, then the end of turn the episode stops on
-    assert '"calculator"' in tokenizer.decode(row.prompt)
+    assert "calculator" in tokenizer.decode(row.prompt)
     assert encode_pair(tokenizer, tuple(first), CALL, 512).prompt != row.prompt  # no tools, no schemas
