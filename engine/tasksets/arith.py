@@ -24,7 +24,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from rlflow.engine.tasksets.demo import make_tiny_model
+from rlflow.engine.tasksets.demo import make_tiny_model, write_jsonl
 
 # Two-digit operands only: every prompt has the same shape, so each digit sits at a fixed position
 # (mixing in one-digit operands shifts them, and a tiny model then learns addition more slowly).
@@ -155,13 +155,6 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-
-
 def make_arith_assets(
     out_dir: str | Path = DEFAULT_DIR,
     seed: int = 1234,
@@ -188,13 +181,13 @@ def make_arith_assets(
     rng = random.Random(seed)
     train, held_out = split_problems(rng, operands)
     data = out / "data"
-    _write_jsonl(data / "sft.jsonl", make_sft_rows(rng, train, n["sft"], noise))
+    write_jsonl(data / "sft.jsonl", make_sft_rows(rng, train, n["sft"], noise))
     # Held-out loss on the same noisy annotator: its floor is the noise's entropy, where SFT plateaus.
-    _write_jsonl(data / "sft_eval.jsonl", make_sft_rows(rng, held_out, n["sft_eval"], noise))
-    _write_jsonl(data / "preferences.jsonl", make_preference_rows(rng, train, n["prefs"]))
-    _write_jsonl(data / "preferences_eval.jsonl", make_preference_rows(rng, held_out, n["prefs_eval"]))
-    _write_jsonl(data / "prompts.jsonl", make_prompt_rows(rng, train, n["prompts"]))
-    _write_jsonl(data / "eval_prompts.jsonl", make_prompt_rows(rng, held_out, n["eval_prompts"]))
+    write_jsonl(data / "sft_eval.jsonl", make_sft_rows(rng, held_out, n["sft_eval"], noise))
+    write_jsonl(data / "preferences.jsonl", make_preference_rows(rng, train, n["prefs"]))
+    write_jsonl(data / "preferences_eval.jsonl", make_preference_rows(rng, held_out, n["prefs_eval"]))
+    write_jsonl(data / "prompts.jsonl", make_prompt_rows(rng, train, n["prompts"]))
+    write_jsonl(data / "eval_prompts.jsonl", make_prompt_rows(rng, held_out, n["eval_prompts"]))
     tokenizer = make_tokenizer()
     make_tiny_model(tokenizer, seed=seed, **shape).save_pretrained(out / "tiny-model")
     tokenizer.save_pretrained(out / "tiny-model")

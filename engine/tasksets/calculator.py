@@ -24,7 +24,7 @@ from typing import Any
 
 from rlflow.engine.envs.chat import render_prompt
 from rlflow.engine.envs.tools import CALCULATOR, calculator
-from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tiny_model
+from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tiny_model, write_jsonl
 
 # A 4-digit and a 3-digit operand, in that order: every prompt has the same length, so each digit
 # of a call sits at a fixed distance from the prompt digit it copies (a tiny model learns that fast).
@@ -124,13 +124,6 @@ def make_tokenizer(rng: random.Random):
     return make_chat_tokenizer(texts, vocab_size=400, split_digits=True)
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-
-
 def make_tools_assets(
     out_dir: str | Path = DEFAULT_DIR,
     seed: int = 1234,
@@ -154,10 +147,10 @@ def make_tools_assets(
     data = out / "data"
     sft = [row for p in train[: n["sft"]] for row in sft_rows(demonstration(p, rng))]
     sft_eval = [row for p in held_out[n["eval_prompts"]:] for row in sft_rows(demonstration(p, rng))]
-    _write_jsonl(data / "sft.jsonl", sft)
-    _write_jsonl(data / "sft_eval.jsonl", sft_eval)
-    _write_jsonl(data / "prompts.jsonl", [prompt_row(p) for p in train[n["sft"]:]])
-    _write_jsonl(data / "eval_prompts.jsonl", [prompt_row(p) for p in held_out[: n["eval_prompts"]]])
+    write_jsonl(data / "sft.jsonl", sft)
+    write_jsonl(data / "sft_eval.jsonl", sft_eval)
+    write_jsonl(data / "prompts.jsonl", [prompt_row(p) for p in train[n["sft"]:]])
+    write_jsonl(data / "eval_prompts.jsonl", [prompt_row(p) for p in held_out[: n["eval_prompts"]]])
     tokenizer = make_tokenizer(rng)
     make_tiny_model(tokenizer, seed=seed, **shape).save_pretrained(out / "tiny-model")
     tokenizer.save_pretrained(out / "tiny-model")

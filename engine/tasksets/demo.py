@@ -119,7 +119,8 @@ def make_prompt_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
     return [{"prompt": _prompt(rng)[0]} for _ in range(n)]
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write rows as JSON Lines through a temporary file, so a killed build leaves no half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -205,12 +206,12 @@ def make_demo_assets(out_dir: str | Path, seed: int = 1234, sizes: dict[str, int
     rng = random.Random(seed)
     data = out / "data"
     sft = make_sft_rows(rng, n["sft"])
-    _write_jsonl(data / "sft.jsonl", sft)
-    _write_jsonl(data / "sft_eval.jsonl", make_sft_rows(rng, n["sft_eval"]))
-    _write_jsonl(data / "preferences.jsonl", make_preference_rows(rng, n["prefs"], noise=0.1))
-    _write_jsonl(data / "preferences_eval.jsonl", make_preference_rows(rng, n["prefs_eval"], noise=0.0))
-    _write_jsonl(data / "prompts.jsonl", make_prompt_rows(rng, n["prompts"]))
-    _write_jsonl(data / "eval_prompts.jsonl", make_prompt_rows(rng, n["eval_prompts"]))
+    write_jsonl(data / "sft.jsonl", sft)
+    write_jsonl(data / "sft_eval.jsonl", make_sft_rows(rng, n["sft_eval"]))
+    write_jsonl(data / "preferences.jsonl", make_preference_rows(rng, n["prefs"], noise=0.1))
+    write_jsonl(data / "preferences_eval.jsonl", make_preference_rows(rng, n["prefs_eval"], noise=0.0))
+    write_jsonl(data / "prompts.jsonl", make_prompt_rows(rng, n["prompts"]))
+    write_jsonl(data / "eval_prompts.jsonl", make_prompt_rows(rng, n["eval_prompts"]))
     corpus = [f"{r['prompt']} {r['response']}" for r in sft] + [" ".join(sorted(VOCABULARY))]
     corpus += [t.format(t="x") for t in PROMPT_TEMPLATES]
     tokenizer = make_tokenizer(corpus)
