@@ -13,6 +13,6 @@ Packages, each on the ones below it (enforced by the import-linter contracts in 
     models       loading, LoRA, the chunked LM head, token roles, GGUF import
     algorithms | telemetry | tasksets    pure maths | metric sinks and progress | demo and gym tasks
     config       the typed schema, YAML loading, secrets
-    envs         multi-turn environments, tools, tool-call parsers, the code sandbox, observation ids
+    envs | promotion    multi-turn environments, tools, parsers, the sandbox | the promotion gates' decision
     seeds | faults | errors
 """

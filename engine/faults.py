@@ -34,6 +34,7 @@ EVENTS = {
     "weight_sync": "PPO, rollout.mode server: the first tensor of the actor's weights sent to the worker",
     "generate": "the rollout worker (stage 'rollout', n: its n-th generate request), before sampling",
     "nonfinite": "the step's loss becomes NaN",
+    "alias": "promotion (step: the round): the version's promotion tags set, the champion alias not moved",
 }
 
 

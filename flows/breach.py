@@ -103,10 +103,9 @@ def _stores(config: Config, result: StageResult) -> tuple[CheckpointStore, Check
 
 
 def send_alert(config: Config, result: StageResult) -> bool:
-    """POST the breach to alerts.webhook_url as JSON; a failure only warns. Neither the URL nor
-    the headers (both may hold tokens) appear in the payload or the log. Returns whether it went."""
-    alerts, breach = config.alerts, result.breach
-    if not alerts.webhook_url or breach is None:
+    """POST the breach to alerts.webhook_url as JSON; returns whether it went."""
+    breach = result.breach
+    if breach is None:
         return False
     payload = {
         "run": config.run.name,
@@ -116,6 +115,16 @@ def send_alert(config: Config, result: StageResult) -> bool:
         "reason": breach.reason,
         "metrics": {k: (v if math.isfinite(v) else None) for k, v in breach.metrics.items()},
     }
+    return post_alert(config, payload, f"{breach.reason} at step {breach.step}")
+
+
+def post_alert(config: Config, payload: dict[str, Any], what: str) -> bool:
+    """POST `payload` to alerts.webhook_url as JSON (a breach, a rejected round); a failure only
+    warns. Neither the URL nor the headers (both may hold tokens) appear in the payload or the log.
+    Returns whether it went."""
+    alerts = config.alerts
+    if not alerts.webhook_url:
+        return False
     request = urllib.request.Request(
         alerts.webhook_url,
         data=json.dumps(payload).encode(),
@@ -131,7 +140,7 @@ def send_alert(config: Config, result: StageResult) -> bool:
         name = type(exc).__name__
         _logger().warning("alert webhook (alerts.webhook_url) failed: %s%s; the run goes on", name, status)
         return False
-    _logger().info("alert sent to alerts.webhook_url: %s at step %d", breach.reason, breach.step)
+    _logger().info("alert sent to alerts.webhook_url: %s", what)
     return True
 
 

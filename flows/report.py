@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 from typing import Any
 
 from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.config.schema import Config
 from rlflow.engine.data.conversations import prompt_text
 from rlflow.engine.stages.label_eval import RESULTS_FILE
+from rlflow.flows.plan import read_run_file
 from rlflow.flows.compare import TABLE_COLUMNS, RoundRecord, format_cell, collect, plot_curves
 
 STYLE = """
@@ -35,7 +37,35 @@ def sample_rows(config: Config, round_index: int, n: int = 12) -> list[dict[str,
     return store.read_json(final["step"], RESULTS_FILE)["after"]["samples"][:n]
 
 
-def render_report(run_name: str, records: list[RoundRecord], png: bytes, samples: dict[int, list[dict]]) -> str:
+def promotion_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The gate table of every round decided by the promotion gates (summary.json rows)."""
+    parts = []
+    for row in rows:
+        promotion = row.get("promotion")
+        if not promotion:
+            continue
+        champion = promotion.get("champion_version") or "none"
+        verdict = promotion["decision"] + (f" by hand ({promotion['override']})" if promotion.get("override") else "")
+        parts.append(f"<h2>Round {row['round']}: {html.escape(verdict)} (champion: version {champion})</h2>")
+        parts.append("<table class=gates><tr><th>gate</th><th>value</th><th>min</th><th>max</th><th>result</th></tr>")
+        for gate in promotion.get("gates", []):
+            result = {True: "pass", False: "FAIL", None: "skipped"}[gate["passed"]]
+            cells = "".join(f"<td class=n>{format_cell(gate[k])}</td>" for k in ("value", "min", "max"))
+            parts.append(
+                f"<tr><td>{html.escape(gate['metric'])}</td>{cells}"
+                f"<td>{result}: {html.escape(gate['reason'])}</td></tr>"
+            )
+        parts.append("</table>")
+    return parts
+
+
+def render_report(
+    run_name: str,
+    records: list[RoundRecord],
+    png: bytes,
+    samples: dict[int, list[dict]],
+    summary_rows: list[dict[str, Any]] | None = None,
+) -> str:
     columns = [c for c, _, _ in TABLE_COLUMNS] + ["seconds"]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in ["round", *columns])
     body = "".join(
@@ -53,6 +83,7 @@ def render_report(run_name: str, records: list[RoundRecord], png: bytes, samples
         f"<table id=rounds><tr>{head}</tr>{body}</table>",
         "<h2>Reward, KL and response length per PPO step</h2>",
         f"<img alt='curves' src='data:image/png;base64,{base64.b64encode(png).decode()}'>",
+        *promotion_section(summary_rows or []),
     ]
     for round_index, rows in sorted(samples.items()):
         parts.append(f"<h2>Round {round_index}: sample responses of the final policy</h2>")
@@ -76,4 +107,6 @@ def build_report(client: Any, config: Config) -> tuple[str, bytes]:
     _, records = collect(client, config.tracking.experiment, [config.run.name])
     png = plot_curves(records)
     samples = {rec.round_index: sample_rows(config, rec.round_index) for rec in records}
-    return render_report(config.run.name, records, png, samples), png
+    summary = read_run_file(config.run.root, config.run.name, "summary.json", config.run.storage_options)
+    rows = json.loads(summary)["rounds"] if summary else []
+    return render_report(config.run.name, records, png, samples, rows), png

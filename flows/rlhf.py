@@ -25,6 +25,7 @@ from rlflow.engine.config.schema import Config, build_config
 from rlflow.engine.config.secrets import merge_trees, redacted_dict, shown_url
 from rlflow.flows.plan import read_run_file
 from rlflow.flows.compare import format_cell
+from rlflow.flows.promotion import halt_on_rejection, settle_promotion
 from rlflow.flows.report import build_report
 from rlflow.flows.rounds import RoundPlanner, lineage_tags, run_round
 from rlflow.tasks.stages import StageResult
@@ -57,10 +58,12 @@ def write_summary(config: Config, rows: list[dict[str, Any]]) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ["round", *SUMMARY_KEYS]
+    promoted = any("promotion" in row for row in rows)  # promotion.enabled: each round's decision
+    header = ["round", *SUMMARY_KEYS] + (["promotion"] if promoted else [])
     lines = ["  ".join(f"{h:>17}" for h in header)]
     for row in rows:
-        lines.append("  ".join(f"{format_cell(row.get(h), h):>17}" for h in header))
+        cells = {**row, "promotion": (row.get("promotion") or {}).get("decision")}
+        lines.append("  ".join(f"{format_cell(cells.get(h), h):>17}" for h in header))
     return "\n".join(lines)
 
 
@@ -117,7 +120,7 @@ def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: st
         tracker.sink(parent).log_text("summary.json", json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2))
         publish_report(cfg, tracker, parent, logger)
         tracker.finish(parent, "FINISHED")
-    return {"run": cfg.run.name, "rounds": rows, "final_policy": policy.checkpoint_uri}
+    return {"run": cfg.run.name, "rounds": rows, "final_policy": policy}
 
 
 TRACKING_FILE = "tracking_uri"
@@ -165,24 +168,37 @@ def publish_report(cfg: Config, tracker: RunTracker, parent: str, logger: Any) -
 
 def run_rounds(
     cfg: Config, parent_run_id: str, logger: Any, tracker: RunTracker
-) -> tuple[list[dict[str, Any]], StageResult]:
-    """All rounds in order, each starting from the last one's policy; summary.json after each,
-    and the round's policy registered in the MLflow model registry."""
+) -> tuple[list[dict[str, Any]], str]:
+    """All rounds in order, each starting from the champion (the last one's policy, or with
+    promotion on, the last promoted one's); summary.json after each, and the round's policy
+    registered in the MLflow model registry. Returns the rows and the champion's URI."""
     planner = RoundPlanner(cfg, parent_run_id)
     policy: str | StageResult = cfg.model.init_path
     sft: str | StageResult = cfg.model.init_path
     labels: list[StageResult] = []
     rows: list[dict[str, Any]] = []
+    champion: str | None = None  # the registered version promoted last
     for r in range(cfg.run.rounds):
         started = time.monotonic()
-        policy, sft, rm, row = run_round(cfg, planner, r, policy, sft, labels)
-        rows.append(row | {"seconds": round(time.monotonic() - started, 1)})
+        final, sft, rm, row = run_round(cfg, planner, r, policy, sft, labels)
+        # What the round's RL (or DPO) started from, and what its gates compared the candidate with.
+        start = sft if r in cfg.sft.rounds else policy
+        row |= {"seconds": round(time.monotonic() - started, 1)}
+        rows.append(row)
         version = register_policy(
-            tracker.client, cfg.run.name, r, policy.mlflow_run_id, lineage_tags(planner, policy, rm)
+            tracker.client, cfg.run.name, r, final.mlflow_run_id, lineage_tags(planner, final, rm)
         )
         logger.info("round %d policy: version %s of MLflow model '%s'", r, version, registered_model_name(cfg.run.name))
+        policy = final
+        if cfg.promotion.enabled:
+            outcome = settle_promotion(cfg, tracker, parent_run_id, r, row, version, champion, logger)
+            row["promotion"] = outcome.decision.as_row(outcome.champion_version)
+            champion = outcome.champion_version
+            policy = final if outcome.decision.promoted else start
         url = write_summary(cfg, rows)
         logger.info(
             "round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url
         )
-    return rows, policy
+        if cfg.promotion.enabled:
+            halt_on_rejection(cfg, r, version, outcome)
+    return rows, policy if isinstance(policy, str) else policy.checkpoint_uri

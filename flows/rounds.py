@@ -282,6 +282,9 @@ def _summary_row(r: int, rm: StageResult | None, evaluation: StageResult) -> dic
         "response_length_before": m["response_length_before"],
         "distinct_2_before": m["distinct_2_before"],
         "valid_fraction_before": m["valid_fraction_before"],
+        # paired on the same prompts and seed (absent from an evaluation cached before they existed)
+        "gold_gain_stderr": m.get("gold_gain_stderr"),
+        "valid_drop_stderr": m.get("valid_drop_stderr"),
     }
 
 

@@ -21,7 +21,11 @@ import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.protos.databricks_pb2 import (
+    INVALID_PARAMETER_VALUE,
+    RESOURCE_ALREADY_EXISTS,
+    ErrorCode,
+)
 from mlflow.utils.validation import (
     MAX_ENTITY_KEY_LENGTH,
     MAX_METRICS_PER_BATCH,
@@ -372,7 +376,7 @@ def register_policy(
     for version in client.search_model_versions(f"name = {_quoted(name)}"):
         # A retrained round (a new manifest) gets a new version.
         if version.tags.get(TAG_ROUND) == str(round_index) and version.tags.get("rlflow.manifest_sha256") == manifest:
-            return version.version
+            return str(version.version)
     tags = {k: _clip(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags | {TAG_ROUND: str(round_index)}).items()}
     uri = tags["rlflow.checkpoint_uri"]
     try:
@@ -381,4 +385,39 @@ def register_policy(
         if exc.error_code != ErrorCode.Name(INVALID_PARAMETER_VALUE) or "://" in uri:
             raise
         version = client.create_model_version(name, source=f"runs:/{source_run_id}", run_id=source_run_id, tags=tags)
-    return version.version
+    return str(version.version)
+
+
+CHAMPION_ALIAS = "champion"
+TAG_PROMOTION = "rlflow.promotion"
+TAG_OVERRIDE = "rlflow.promotion.override"  # "<who>: <why>" of `rlflow promote`
+
+
+def record_promotion(
+    client: MlflowClient, run_name: str, version: str, failed_gates: dict[str, str], override: str | None
+) -> None:
+    """Tag round `version` promoted (no gate failed, or `override`: who promoted it by hand and why)
+    or rejected. Each failed gate is `rlflow.rejected.<gate>=<reason>`, kept on a version promoted by
+    hand as the record of what the gates said. Idempotent: a continued run records every round
+    again, and a round decided again under new gates loses its stale tags."""
+    name = registered_model_name(run_name)
+    old = client.get_model_version(name, version).tags
+    for key in old:
+        stale_gate = key.startswith("rlflow.rejected.") and key.removeprefix("rlflow.rejected.") not in failed_gates
+        if stale_gate or (key == TAG_OVERRIDE and override is None):
+            client.delete_model_version_tag(name, version, key)
+    promoted = not failed_gates or override is not None
+    client.set_model_version_tag(name, version, TAG_PROMOTION, "promoted" if promoted else "rejected")
+    for gate, reason in failed_gates.items():
+        client.set_model_version_tag(name, version, f"rlflow.rejected.{gate}", _clip(reason, MAX_TAG_VAL_LENGTH))
+    if override is not None:
+        client.set_model_version_tag(name, version, TAG_OVERRIDE, _clip(override, MAX_TAG_VAL_LENGTH))
+
+
+def point_champion_alias(client: MlflowClient, run_name: str, champion: str | None) -> None:
+    """Point the `champion` alias at version `champion` (None: no alias, no round promoted yet)."""
+    name = registered_model_name(run_name)
+    if champion is not None:
+        client.set_registered_model_alias(name, CHAMPION_ALIAS, champion)
+    elif CHAMPION_ALIAS in client.get_registered_model(name).aliases:
+        client.delete_registered_model_alias(name, CHAMPION_ALIAS)

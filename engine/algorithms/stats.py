@@ -8,6 +8,7 @@ Log-probabilities are natural logs (nats).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -158,3 +159,23 @@ def distinct_n(token_lists: Sequence[Sequence[Hashable]], n: int = 2) -> float:
             unique.add(tuple(tokens[start : start + n]))
             total += 1
     return len(unique) / total if total else 0.0
+
+
+def mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of n numbers and its standard error, sqrt(sample variance / n) (0.0 for n = 1)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_and_stderr of no values")
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / max(1, n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
+    """Mean of after[i] - before[i] over the same n items (prompts) and its standard error.
+
+    Pairing removes the spread between prompts from the noise, so a small real change on the same
+    prompts stands out where two independent means' standard errors would hide it."""
+    if len(before) != len(after):
+        raise ValueError(f"paired_difference needs the same items: {len(before)} before, {len(after)} after")
+    return mean_and_stderr([b - a for a, b in zip(before, after)])

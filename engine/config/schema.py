@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from rlflow.engine.config.base import FunctionRef, Section, function_ref
 from rlflow.engine.config.env import EnvConfig
+from rlflow.engine.config.promotion import PromotionConfig
 from rlflow.engine.config.execution import (
     AlertsConfig,
     CheckpointConfig,
@@ -147,6 +148,8 @@ class Config(Section):
     """Guards while training."""
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     """A webhook called on a KL breach or a reward failure."""
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
+    """Gates a round's final policy must pass to be the champion the next round starts from."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """What the RL stage's reward is made of, and what happens when a source fails."""
     env: EnvConfig | None = None

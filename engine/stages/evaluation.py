@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 
 from rlflow.engine.algorithms.kl import token_kl
-from rlflow.engine.algorithms.stats import distinct_n, masked_mean
+from rlflow.engine.algorithms.stats import distinct_n, masked_mean, mean_and_stderr
 from rlflow.engine.backend import dist
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.data.records import PromptRecord, encode_prompts, format_prompt
@@ -19,6 +18,16 @@ from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
 from rlflow.engine.rollout.episodes import EpisodeSampler, episode_metrics
 from rlflow.engine.rollout.generate import batched_logprobs, generate_rollouts
+
+
+@dataclass(frozen=True)
+class PolicyEvaluation:
+    """One policy measured on a prompt set (evaluate_policy)."""
+
+    metrics: dict[str, float]  # eval/* (see evaluate_policy)
+    samples: list[dict[str, Any]]  # the first n_samples prompts: prompt, response, scores (the logged table)
+    gold_scores: tuple[float, ...]  # [n_prompts] each prompt's gold score, in prompt order
+    valid: tuple[float, ...]  # [n_prompts] 1.0 where the answer is valid, else 0.0 (eval/valid_fraction's terms)
 
 
 @dataclass(frozen=True)
@@ -55,8 +64,8 @@ def evaluate_policy(
     n_samples: int = 12,
     generate_kwargs: dict[str, Any] | None = None,
     episodes: EpisodeSampler | None = None,
-) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Sample one answer per prompt and measure it. Returns (metrics, sample rows).
+) -> PolicyEvaluation:
+    """Sample one answer per prompt and measure it.
 
     Prompts go in chunks of `batch_size`, each seeded from (seed, its start) and spread over the
     ranks, so the answers are the same for any number of processes.
@@ -102,18 +111,17 @@ def evaluate_policy(
     records = prompts.records
     gold = _gold_scores(models.gold, records, texts)
     n = len(gold.scores)
-    mean = sum(gold.scores) / n
-    var = sum((s - mean) ** 2 for s in gold.scores) / max(1, n - 1)
+    mean, stderr = mean_and_stderr(gold.scores)
+    # the gold's own "valid" component where it has one, else a positive score counts as valid
+    valid = [float(v) for v in gold.components.get("valid", [s > 0 for s in gold.scores])]
     metrics = {
         "eval/gold_score": mean,
-        "eval/gold_score_stderr": math.sqrt(var / n),
+        "eval/gold_score_stderr": stderr,
         "eval/kl": float(torch.cat(kl_ref).mean()),
         "eval/kl_to_sft": float(torch.cat(kl_sft).mean()),
         "eval/response_length": float(torch.cat(lengths).float().mean()),
         "eval/distinct_2": distinct_n([t.split() for t in texts], 2),
-        "eval/valid_fraction": (
-            sum(gold.components["valid"]) / n if "valid" in gold.components else sum(s > 0 for s in gold.scores) / n
-        ),
+        "eval/valid_fraction": sum(valid) / n,
     }
     if models.reward_model is not None:
         metrics["eval/rm_score"] = float(torch.cat(rm).mean())
@@ -131,7 +139,7 @@ def evaluate_policy(
         | ({"transcript": played[i]["transcript"]} if episodes is not None else {})
         for i in range(min(n_samples, n))
     ]
-    return metrics, rows
+    return PolicyEvaluation(metrics, rows, tuple(float(x) for x in gold.scores), tuple(valid))
 
 
 def _played(episodes: EpisodeSampler, tokenizer: Any) -> list[dict[str, Any]]:

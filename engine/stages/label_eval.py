@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlflow.engine.algorithms.stats import paired_difference
 from rlflow.engine.data.batching import batch_indices
 from rlflow.engine.config.schema import DataConfig
 from rlflow.engine.config.stages import EvalConfig
@@ -15,7 +16,7 @@ from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.data.records import PromptRecord, load_prompts
 from rlflow.engine.rewards.model_scores import ScoringModels
-from rlflow.engine.stages.evaluation import encode_prompt_set, evaluate_policy
+from rlflow.engine.stages.evaluation import PolicyEvaluation, encode_prompt_set, evaluate_policy
 from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.rollout.episodes import EpisodeSampler
@@ -146,6 +147,20 @@ class EvalStageInputs:
     env: EnvConfig | None = None  # env.*: each prompt is an episode of this environment, scored on its answer
 
 
+def paired_metrics(before: PolicyEvaluation, after: PolicyEvaluation) -> dict[str, float]:
+    """The change from `before` to `after`, paired on the same prompts and sampling seed, with the
+    standard error of the per-prompt differences: eval/gold_gain (+ _stderr; after minus before)
+    and eval/valid_drop (+ _stderr; before minus after)."""
+    gain, gain_se = paired_difference(before.gold_scores, after.gold_scores)
+    drop, drop_se = paired_difference(after.valid, before.valid)
+    return {
+        "eval/gold_gain": gain,
+        "eval/gold_gain_stderr": gain_se,
+        "eval/valid_drop": drop,
+        "eval/valid_drop_stderr": drop_se,
+    }
+
+
 def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOutcome:
     """Evaluate the start (step 0 of the metrics) and final (step 1) policy on the same prompts
     with the same sampling seed; the outcome holds both as gold_score_before/after etc."""
@@ -168,10 +183,11 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
         tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
     )
     results: dict[str, Any] = {}
+    measured = []
     episodes = None if stage_inputs.env is None else EpisodeSampler(stage_inputs.env, tokenizer)
     for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):
         policy = load_policy(path, **kw).eval()
-        metrics, samples = evaluate_policy(
+        evaluation = evaluate_policy(
             policy,
             tokenizer,
             prompts,
@@ -182,13 +198,18 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
             eval_cfg.num_logged_samples,
             episodes=episodes,
         )
-        ctx.sink.log_metrics(metrics, step)
-        ctx.sink.log_table(f"eval_samples_{name}.json", samples)
-        results[name] = {"metrics": metrics, "samples": samples}
+        ctx.sink.log_metrics(evaluation.metrics, step)
+        ctx.sink.log_table(f"eval_samples_{name}.json", evaluation.samples)
+        results[name] = {"metrics": evaluation.metrics, "samples": evaluation.samples}
+        measured.append(evaluation)
+    paired = paired_metrics(*measured)
+    ctx.sink.log_metrics(paired, 1)
+    results["paired"] = paired
     with ctx.store.writer(0) as writer:
         writer.write_json(RESULTS_FILE, results)
         writer.meta["identity"] = ctx.identity
     before, after = results["before"]["metrics"], results["after"]["metrics"]
     summary = {f"{k.removeprefix('eval/')}_before": v for k, v in before.items()}
     summary |= {f"{k.removeprefix('eval/')}_after": v for k, v in after.items()}
+    summary |= {k.removeprefix("eval/"): v for k, v in paired.items()}
     return finish(ctx, 0, summary, None)

@@ -1,5 +1,5 @@
-"""`rlflow` command line: run | status | compare | deploy | label | export | import-model | data | doctor | config |
-demo-assets.
+"""`rlflow` command line: run | status | compare | deploy | label | export | promote | import-model | data | doctor |
+config | demo-assets.
 
 Errors the user can fix (config, data, paths) print one line and exit with code 2; inputs are
 checked before the Prefect server starts, so a typo costs a second, not a server start.
@@ -149,7 +149,18 @@ def command_demo_assets(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from rlflow.flows import compare
-    from rlflow.flows.cli import config_keys, data, deploy, doctor, estimate, export, import_model, labels, probe
+    from rlflow.flows.cli import (
+        config_keys,
+        data,
+        deploy,
+        doctor,
+        estimate,
+        export,
+        import_model,
+        labels,
+        probe,
+        promote,
+    )
 
     parser = argparse.ArgumentParser(
         prog="rlflow", description="RLHF as a Prefect flow: SFT -> reward model -> PPO rounds."
@@ -165,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run", help="run.name")
     status.add_argument("--root", default="runs", help="run.root of the run (default: runs)")
     status.set_defaults(handler=command_status)
-    for module in (compare, deploy, labels, export, import_model, data, doctor, estimate, probe, config_keys):
+    for module in (compare, deploy, labels, export, promote, import_model, data, doctor, estimate, probe, config_keys):
         module.add_parser(sub)
     assets = sub.add_parser("demo-assets", help="write the demo data, tokenizer and tiny model")
     assets.add_argument(

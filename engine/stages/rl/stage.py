@@ -200,9 +200,9 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
         if pool is not None:
             pool.close()
     if "eval/gold_score" not in run.metrics:  # resumed exactly at the last step: evaluate its policy
-        eval_metrics, samples = run.evaluate()
-        run.metrics.update(eval_metrics)
-        ctx.sink.log_table("eval_samples.json", samples)
+        evaluation = run.evaluate()
+        run.metrics.update(evaluation.metrics)
+        ctx.sink.log_table("eval_samples.json", evaluation.samples)
     summary = _summary(run.metrics, step, run.state) | run.safety.summary() | guard.early_stop_metrics()
     return finish(ctx, step, summary, resume, changed)
 
@@ -305,11 +305,11 @@ class PPORun:
         breach = self.safety.observe(step, metrics, state.stopped_by_kl)
         last = step >= cfg.steps or state.stopped_by_kl
         if breach is None and (step % self.eval_cfg.every_steps == 0 or last):
-            eval_metrics, samples = self.evaluate()
-            metrics.update(eval_metrics)
+            evaluation = self.evaluate()
+            metrics.update(evaluation.metrics)
             _track_best(state, self.checkpoint.keep_best, self.checkpoint.keep_best_mode, metrics, step)
             if last:
-                self.ctx.sink.log_table("eval_samples.json", samples)
+                self.ctx.sink.log_table("eval_samples.json", evaluation.samples)
         self.metrics = metrics
         log = step % cfg.log_every == 0 or last
         return StepReport(metrics, last or stopping, log, keep=state.best_step == step, breach=breach)

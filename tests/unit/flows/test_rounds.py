@@ -209,6 +209,8 @@ EVAL_METRICS = {
     "response_length_before": 12.0,
     "distinct_2_before": 0.7,
     "valid_fraction_before": 1.0,
+    "gold_gain_stderr": 0.01,
+    "valid_drop_stderr": 0.03,
 }
 
 
@@ -230,6 +232,8 @@ def test_the_summary_row_reads_the_evaluation_and_the_reward_models_accuracy():
         "response_length_before": 12.0,
         "distinct_2_before": 0.7,
         "valid_fraction_before": 1.0,
+        "gold_gain_stderr": 0.01,
+        "valid_drop_stderr": 0.03,
     }
     no_rm = _summary_row(0, None, evaluation)
     assert no_rm["rm_accuracy"] is None and no_rm["rm_accuracy_online"] is None and no_rm["kl"] == 1.5

@@ -185,3 +185,52 @@ def test_a_stage_continued_under_a_changed_config_tags_the_changed_keys(tracker,
     )
     result = _run_tracked(config, spec, None, lambda ctx: kept)
     assert tracker.client.get_run(result.mlflow_run_id).data.tags["rlflow.changed_keys"] == "eval.x"
+
+
+def test_the_champion_alias_follows_the_flow_decisions_in_a_real_registry(tracker, tmp_path):
+    from rlflow.tasks.tracking import CHAMPION_ALIAS, TAG_PROMOTION, point_champion_alias, record_promotion
+    from rlflow.tasks.tracking import register_policy
+
+    run_id = tracker.child_run(tracker.parent_run("gated", {}), 0, "ppo")
+    client, name = tracker.client, "gated-policy"
+
+    def register(r):
+        tags = {"rlflow.checkpoint_uri": str(tmp_path / f"r{r}"), "rlflow.manifest_sha256": f"m{r}"}
+        return register_policy(client, "gated", r, run_id, tags)
+
+    def tags(version):
+        return {k: v for k, v in client.get_model_version(name, version).tags.items() if k.startswith("rlflow.")}
+
+    def champion():
+        champion = client.get_registered_model(name).aliases.get(CHAMPION_ALIAS)
+        return None if champion is None else str(champion)
+
+    def decide(version, rejected, champion, override=None):  # as flows/promotion.py records a decision
+        record_promotion(client, "gated", version, rejected or {}, override)
+        point_champion_alias(client, "gated", champion)
+
+    v0, v1 = register(0), register(1)
+    decide(v0, None, v0)
+    assert champion() == v0 and tags(v0)[TAG_PROMOTION] == "promoted"
+    decide(v1, {"valid_drop": "0.18 > max 0.1"}, v0)
+    assert champion() == v0  # the rejected version never holds the alias
+    assert tags(v1)[TAG_PROMOTION] == "rejected" and tags(v1)["rlflow.rejected.valid_drop"] == "0.18 > max 0.1"
+    # A continued run records the same outcomes again: nothing changes.
+    before = (tags(v0), tags(v1))
+    decide(v0, None, v0)
+    decide(v1, {"valid_drop": "0.18 > max 0.1"}, v0)
+    assert (tags(v0), tags(v1)) == before and champion() == v0
+    # Decided again under other gates: promoted, the stale rejection tag goes, the alias moves.
+    decide(v1, None, v1)
+    assert champion() == v1 and tags(v1)[TAG_PROMOTION] == "promoted" and "rlflow.rejected.valid_drop" not in tags(v1)
+    # A round 0 decided rejected with no champion before it: the alias is removed, not left stale.
+    decide(v0, {"length_ratio": "2.5 > max 2"}, None)
+    assert champion() is None and tags(v0)[TAG_PROMOTION] == "rejected"
+    # Promoted by hand over its failed gate: promoted, who and why recorded, the gate's verdict kept;
+    # decided again without the override, the override tag goes.
+    decide(v0, {"length_ratio": "2.5 > max 2"}, v0, override="ana: reviewed, longer answers are right")
+    assert champion() == v0 and tags(v0)[TAG_PROMOTION] == "promoted"
+    assert tags(v0)["rlflow.promotion.override"] == "ana: reviewed, longer answers are right"
+    assert tags(v0)["rlflow.rejected.length_ratio"] == "2.5 > max 2"
+    decide(v0, {"length_ratio": "2.5 > max 2"}, None)
+    assert "rlflow.promotion.override" not in tags(v0) and tags(v0)[TAG_PROMOTION] == "rejected"

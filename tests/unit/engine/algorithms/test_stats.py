@@ -183,3 +183,26 @@ def test_distinct_n_by_hand():
     assert stats.distinct_n([[1, 2], [1, 2]], n=2) == pytest.approx(1 / 2)
     assert stats.distinct_n([[1], []], n=2) == 0.0
     assert stats.distinct_n([], n=2) == 0.0
+
+
+def test_mean_and_stderr_by_hand_and_one_value():
+    mean, se = stats.mean_and_stderr([1.0, 2.0, 4.0, 5.0])  # var (4+1+1+4)/3
+    assert mean == 3.0 and se == pytest.approx(math.sqrt(10 / 3 / 4))
+    assert stats.mean_and_stderr([0.7]) == (0.7, 0.0)
+    with pytest.raises(ValueError, match="no values"):
+        stats.mean_and_stderr([])
+
+
+def test_paired_difference_by_hand_and_smaller_than_unpaired_on_correlated_items():
+    mean, se = stats.paired_difference([1, 0, 1, 1], [1, 1, 1, 0])  # differences 0, 1, 0, -1
+    assert mean == 0.0 and se == pytest.approx(math.sqrt(2 / 3 / 4))
+    # Items that differ a lot among themselves, each moved by about +0.1: pairing sees the move.
+    g = torch.Generator().manual_seed(0)
+    before = torch.rand(200, generator=g) * 10
+    after = before + 0.1 + 0.05 * torch.randn(200, generator=g)
+    mean, se = stats.paired_difference(before.tolist(), after.tolist())
+    assert se == pytest.approx(float((after - before).std() / math.sqrt(200)), rel=1e-5)
+    unpaired = math.hypot(stats.mean_and_stderr(before.tolist())[1], stats.mean_and_stderr(after.tolist())[1])
+    assert mean / se > 15 > 1 > mean / unpaired
+    with pytest.raises(ValueError, match="3 before, 2 after"):
+        stats.paired_difference([1, 2, 3], [1, 2])

@@ -49,7 +49,8 @@ def test_metrics_are_the_draws_own_numbers(tiny):
     policy, tokenizer = tiny
     prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
     models = ScoringModels(LastTokenScorer(), (100.0, 50.0), reference=policy, sft=policy, gold=gold)
-    metrics, rows = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=8, n_samples=2)
+    evaluation = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=8, n_samples=2)
+    metrics, rows = evaluation.metrics, evaluation.samples
 
     # the same draw: one chunk of all four prompts, seeded seed + 0
     batch = generate_rollouts(policy, tokenizer, prompts.token_ids, SAMPLING, 9)
@@ -69,13 +70,15 @@ def test_metrics_are_the_draws_own_numbers(tiny):
     assert metrics["eval/gold/valid"] == metrics["eval/valid_fraction"]
     assert [r["response"] for r in rows] == texts[:2] and rows[1]["gold_score"] == pytest.approx(scores[1])
     assert rows[0]["rm_score"] == pytest.approx(float(rm[0]))
+    assert evaluation.gold_scores == pytest.approx(scores)
+    assert evaluation.valid == tuple(float(bool(t.strip())) for t in texts)
 
 
 def test_chunks_do_not_change_the_answers_only_their_seeds_spans(tiny):
     policy, tokenizer = tiny
     prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
     models = ScoringModels(None, None, reference=policy, sft=policy, gold=gold)
-    _, rows = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=2, n_samples=4)
+    rows = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=2, n_samples=4).samples
     # chunk [2, 4) is seeded 9 + 2
     second = generate_rollouts(policy, tokenizer, prompts.token_ids[2:], SAMPLING, 11)
     assert [r["response"] for r in rows[2:]] == list(second.response_texts)
@@ -89,6 +92,7 @@ def test_without_a_reward_model_there_is_no_rm_score_and_kl_to_another_policy_is
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
     prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
     models = ScoringModels(None, None, reference=policy, sft=other, gold=gold)
-    metrics, rows = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=1, batch_size=8, n_samples=1)
+    evaluation = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=1, batch_size=8, n_samples=1)
+    metrics, rows = evaluation.metrics, evaluation.samples
     assert "eval/rm_score" not in metrics and rows[0]["rm_score"] is None
     assert metrics["eval/kl"] == pytest.approx(0.0, abs=1e-6) and metrics["eval/kl_to_sft"] > 1e-4

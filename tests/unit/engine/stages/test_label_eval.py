@@ -8,7 +8,9 @@ import pytest
 
 from conftest import RecordingSink, small_config_tree
 from helpers.stage_ctx import make_ctx
+from rlflow.engine.config.promotion import PromotionConfig, PromotionGate
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.promotion.gates import decide_promotion
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.stages.label_eval import (
     PAIRS_EVAL_FILE,
@@ -89,7 +91,13 @@ def test_evaluation_measures_start_and_final_policy_on_the_same_prompts_and_seed
     # the same policy twice, the same seed: the same answers, so every number agrees
     assert m["gold_score_before"] == m["gold_score_after"] and m["kl_before"] == pytest.approx(0.0, abs=1e-6)
     assert "rm_score_after" not in m
-    assert [step for step, _ in sink.metrics] == [0, 1]
+    assert [step for step, _ in sink.metrics] == [0, 1, 1]  # before, after, the paired change
+    paired = {k: m[k] for k in ("gold_gain", "gold_gain_stderr", "valid_drop", "valid_drop_stderr")}
+    assert paired == {"gold_gain": 0.0, "gold_gain_stderr": 0.0, "valid_drop": 0.0, "valid_drop_stderr": 0.0}
+    # so two identical candidates are never rejected: no false reject under the default gates or z-gates
+    row = {k.removesuffix("_after"): v for k, v in m.items()} | {"kl": 0.0, "gold_score_after": m["gold_score_after"]}
+    gates = [*PromotionConfig().gates, PromotionGate(metric="valid_drop_z", max=2.0)]
+    assert decide_promotion(row, gates + [PromotionGate(metric="gold_gain_z", min=0.0)]).promoted
     assert set(sink.tables) == {"eval_samples_before.json", "eval_samples_after.json"}
     results = ctx.store.read_json(0, RESULTS_FILE)
     assert len(results["after"]["samples"]) == 3

@@ -86,10 +86,11 @@ def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tm
         gold=lambda p, r, **kw: calls.append(r) or 0.5,
     )
     few = type(prompts)(prompts.records[:8], prompts.token_ids[:8])
-    result, rows = evaluate_policy(
+    result = evaluate_policy(
         models.actor.model, models.tokenizer, few, counting, SamplingParams(max_new_tokens=8), seed=0, n_samples=3
     )
-    assert len(calls) == 8 and result["eval/gold_score"] == pytest.approx(0.5) and len(rows) == 3
+    assert len(calls) == 8 and result.metrics["eval/gold_score"] == pytest.approx(0.5) and len(result.samples) == 3
+    assert result.gold_scores == (0.5,) * 8
 
 
 def test_ppo_raises_reward_model_score(trained, small_assets, tmp_path):
@@ -109,10 +110,10 @@ def test_ppo_raises_reward_model_score(trained, small_assets, tmp_path):
     models = _models(trained, boom_free_gold)
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.eval_prompts), 32, "truncate", "prompts")
     sampling = cfg.sampling.params()
-    before, _ = evaluate_policy(models.actor.model, models.tokenizer, prompts, models.scoring, sampling, seed=1)
-    after, _ = evaluate_policy(
+    before = evaluate_policy(models.actor.model, models.tokenizer, prompts, models.scoring, sampling, seed=1).metrics
+    after = evaluate_policy(
         load_policy(f"{outcome.checkpoint_uri}/model"), models.tokenizer, prompts, models.scoring, sampling, seed=1
-    )
+    ).metrics
     assert after["eval/rm_score"] - before["eval/rm_score"] >= 0.3
     assert [s for s, _ in sink.series("actor/pg_loss")] == list(range(1, 9))
     assert outcome.metrics["ppo/steps"] == 8

@@ -1,0 +1,116 @@
+"""After each round: the promotion gates decide whether the round's final policy (the candidate)
+becomes the champion, the registered model's `champion` alias and the next round's start.
+
+The decision is pure (engine/promotion/gates.py) and made again from the round's cached
+evaluation whenever a run is continued, so a process killed between the decision and the alias
+move records the same outcome when it is started again: no double promotion, no lost rejection.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from prefect.artifacts import create_markdown_artifact
+
+from rlflow.engine.config.schema import Config
+from rlflow.engine.errors import RunHalted
+from rlflow.engine.faults import fault_point
+from rlflow.engine.promotion.gates import PromotionDecision, decide_promotion, gate_table
+from rlflow.engine.storage.files import now_iso
+from rlflow.flows.breach import post_alert
+from rlflow.flows.plan import read_run_file
+from rlflow.tasks.tracking import RunTracker, point_champion_alias, record_promotion
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """A round's outcome: its decision, and the champion's registered version after it."""
+
+    decision: PromotionDecision
+    champion_version: str | None
+
+
+OVERRIDES_FILE = "promotion_overrides.json"  # at the top of the run: {"rounds": {"<N>": {by, reason, at}}}
+
+
+def read_overrides(cfg: Config) -> dict[int, str]:
+    """Rounds promoted by hand (`rlflow promote`): round -> "<who>: <why>"."""
+    text = read_run_file(cfg.run.root, cfg.run.name, OVERRIDES_FILE, cfg.run.storage_options)
+    rounds = json.loads(text)["rounds"] if text else {}
+    return {int(r): f"{o['by']}: {o['reason']}" for r, o in rounds.items()}
+
+
+def write_override(cfg: Config, round_index: int, by: str, reason: str) -> str:
+    """Record a manual promotion of round `round_index`, which every later decision of the round
+    (a continued run) honours; returns its "<who>: <why>"."""
+    text = read_run_file(cfg.run.root, cfg.run.name, OVERRIDES_FILE, cfg.run.storage_options)
+    data = json.loads(text) if text else {"rounds": {}}
+    data["rounds"][str(round_index)] = {"by": by, "reason": reason, "at": now_iso()}
+    url = f"{cfg.run.root.rstrip('/')}/{cfg.run.name}/{OVERRIDES_FILE}"
+    with fsspec.open(url, "w", **cfg.run.storage_options) as f:
+        f.write(json.dumps(data, indent=2))
+    return f"{by}: {reason}"
+
+
+def artifact_key(run_name: str, round_index: int) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes only) for the round's gate table."""
+    return f"promotion-{re.sub(r'[^a-z0-9]+', '-', run_name.lower()).strip('-')}-round-{round_index}"
+
+
+def settle_promotion(
+    cfg: Config,
+    tracker: RunTracker,
+    parent_run_id: str,
+    round_index: int,
+    row: dict[str, Any],
+    version: str,
+    champion: str | None,
+    logger: Any,
+) -> Promotion:
+    """Decide round `round_index` (registered as `version`; `champion` the version promoted before
+    it, None if none), record it in the registry, the flow run's artifacts and the parent MLflow run,
+    and alert on a rejection."""
+    decision = decide_promotion(row, cfg.promotion.gates, read_overrides(cfg).get(round_index))
+    failed = {g.metric: g.reason for g in decision.failed}
+    champion = version if decision.promoted else champion
+    record_promotion(tracker.client, cfg.run.name, version, failed, decision.override)
+    # The alias last: a process killed here leaves the tags, and the continued run, deciding the
+    # same again, moves it (tests/scenarios/test_promotion.py kills it at this point).
+    fault_point("promotion", "alias", round_index)
+    point_champion_alias(tracker.client, cfg.run.name, champion)
+    table = gate_table(decision, round_index)
+    create_markdown_artifact(
+        table, key=artifact_key(cfg.run.name, round_index), description=f"round {round_index} promotion gates"
+    )
+    tracker.sink(parent_run_id).log_text(f"promotion/round_{round_index}.md", table)
+    if decision.promoted:
+        by_hand = f" by hand ({decision.override})" if decision.override else ""
+        logger.info("round %d promoted%s: version %s is the champion", round_index, by_hand, version)
+        return Promotion(decision, champion)
+    reasons = "; ".join(f"{g}: {why}" for g, why in failed.items())
+    logger.warning(
+        "round %d rejected (%s): the next round starts from this round's start; champion: %s",
+        round_index,
+        reasons,
+        f"version {champion}" if champion else "none yet",
+    )
+    payload = {"run": cfg.run.name, "round": round_index, "event": "promotion_rejected", "version": version}
+    post_alert(cfg, payload | {"champion_version": champion, "failed_gates": failed}, f"round {round_index} rejected")
+    return Promotion(decision, champion)
+
+
+def halt_on_rejection(cfg: Config, round_index: int, version: str, outcome: Promotion) -> None:
+    """promotion.on_reject=fail: stop the run (exit 3) after a rejected round, once it is recorded."""
+    if outcome.decision.promoted or cfg.promotion.on_reject != "fail":
+        return
+    reasons = "; ".join(f"{g.metric}: {g.reason}" for g in outcome.decision.failed)
+    raise RunHalted(
+        f"round {round_index}'s policy (version {version}) was rejected by the promotion gates ({reasons});"
+        " promotion.on_reject=fail stops the run here. Continue it with promotion.on_reject=continue"
+        " (the next round starts from the champion) or other promotion.gates, or promote it by hand with"
+        f" `rlflow promote {cfg.run.name} --round {round_index} --reason ...` and continue"
+    )
