@@ -85,7 +85,7 @@ def temporary_server() -> bool:
     return get_current_settings().api.url is None
 
 
-def _logger() -> Any:
+def flow_logger() -> Any:
     try:
         return get_run_logger()
     except MissingContextError:  # called outside a flow run (tests, scripts)
@@ -138,16 +138,16 @@ def post_alert(config: Config, payload: dict[str, Any], what: str) -> bool:
         # Only the error's type and HTTP status: messages may quote parts of the URL (a token).
         status = f" (HTTP {exc.code})" if isinstance(exc, urllib.error.HTTPError) else ""
         name = type(exc).__name__
-        _logger().warning("alert webhook (alerts.webhook_url) failed: %s%s; the run goes on", name, status)
+        flow_logger().warning("alert webhook (alerts.webhook_url) failed: %s%s; the run goes on", name, status)
         return False
-    _logger().info("alert sent to alerts.webhook_url: %s", what)
+    flow_logger().info("alert sent to alerts.webhook_url: %s", what)
     return True
 
 
 def ask_operator(config: Config, result: StageResult) -> BreachDecision:
     """Pause the flow run until an operator answers; a decision that cannot be carried out (a
     rollback to a step that is not committed) is refused with an error and asked again."""
-    breach, logger = result.breach, _logger()
+    breach, logger = result.breach, flow_logger()
     assert breach is not None
     store, _ = _stores(config, result)
     where = f"round {result.round_index} {result.stage}"
@@ -187,7 +187,7 @@ def settle_breaches(
     """Until the stage finishes: alert, ask, then continue (`rerun` with the operator's overrides;
     the stage resumes from its checkpoint), roll back (delete the later steps, then continue) or
     stop (RunHalted). Without a persistent Prefect server: RunHalted with the continue command."""
-    logger = _logger()
+    logger = flow_logger()
     while (breach := result.breach) is not None:
         where = f"round {result.round_index} {result.stage}"
         logger.warning("%s: %s", where, breach.message)

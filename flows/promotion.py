@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
+import pydantic
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import FlowPauseTimeout
+from prefect.flow_runs import pause_flow_run
+from prefect.input import RunInput
 
 from rlflow.engine.config.schema import Config
 from rlflow.engine.errors import RunHalted
 from rlflow.engine.faults import fault_point
 from rlflow.engine.promotion.gates import PromotionDecision, decide_promotion, gate_table
 from rlflow.engine.storage.files import now_iso
-from rlflow.flows.breach import post_alert
+from rlflow.flows.breach import PAUSE_POLL_S, flow_logger, post_alert, temporary_server
 from rlflow.flows.plan import read_run_file
 from rlflow.tasks.tracking import RunTracker, point_champion_alias, record_promotion
 
@@ -103,14 +108,86 @@ def settle_promotion(
     return Promotion(decision, champion)
 
 
-def halt_on_rejection(cfg: Config, round_index: int, version: str, outcome: Promotion) -> None:
-    """promotion.on_reject=fail: stop the run (exit 3) after a rejected round, once it is recorded."""
-    if outcome.decision.promoted or cfg.promotion.on_reject != "fail":
-        return
-    reasons = "; ".join(f"{g.metric}: {g.reason}" for g in outcome.decision.failed)
-    raise RunHalted(
-        f"round {round_index}'s policy (version {version}) was rejected by the promotion gates ({reasons});"
-        " promotion.on_reject=fail stops the run here. Continue it with promotion.on_reject=continue"
-        " (the next round starts from the champion) or other promotion.gates, or promote it by hand with"
-        f" `rlflow promote {cfg.run.name} --round {round_index} --reason ...` and continue"
+class RejectionAnswer(RunInput):
+    """The operator's answer to a rejected round (promotion.on_reject=pause; the Prefect UI's form)."""
+
+    action: Literal["continue", "promote", "stop"] = "continue"
+    operator: str = ""  # action=promote: who promotes it (recorded with the reason)
+    reason: str = ""  # action=promote: why
+
+    def problem(self) -> str | None:
+        """Why this answer cannot be carried out (None: it can)."""
+        if self.action == "promote" and not (self.operator.strip() and self.reason.strip()):
+            return "action promote needs an operator and a reason (both are recorded on the registered version)"
+        return None
+
+
+def ask_on_rejection(cfg: Config, round_index: int, rejected: str) -> RejectionAnswer:
+    """Pause the flow run until an operator answers; an answer that cannot be carried out is
+    refused with an error and asked again."""
+    logger = flow_logger()
+    while True:
+        form = RejectionAnswer.with_initial_data(
+            description=(
+                f"**{rejected}.**\n\naction `continue` (the next round starts from the champion), `promote` (with"
+                " `operator` and `reason`: the round becomes the champion and the next round's start), or `stop`."
+            )
+        )
+        try:
+            answer = pause_flow_run(
+                wait_for_input=form, timeout=int(cfg.safety.pause_timeout_s), poll_interval=PAUSE_POLL_S
+            )
+        except FlowPauseTimeout:
+            raise RunHalted(
+                f"{rejected}; nobody answered within safety.pause_timeout_s={cfg.safety.pause_timeout_s:g}."
+                f" {_how_to_go_on(cfg, round_index)}"
+            ) from None
+        except pydantic.ValidationError as exc:
+            invalid = " ".join(str(exc).split())
+            logger.error("round %d: the answer is not valid (%s); pausing again", round_index, invalid)
+            continue
+        problem = answer.problem()
+        if problem is None:
+            return answer
+        logger.error("round %d: %s; pausing again", round_index, problem)
+
+
+def _how_to_go_on(cfg: Config, round_index: int) -> str:
+    return (
+        "Continue it with promotion.on_reject=continue (the next round starts from the champion) or other"
+        f" promotion.gates, or promote it by hand with `rlflow promote {cfg.run.name} --round {round_index}"
+        " --reason ...` and continue"
     )
+
+
+def answer_rejection(
+    cfg: Config,
+    round_index: int,
+    version: str,
+    outcome: Promotion,
+    settle: Callable[[], Promotion],
+    ask: Callable[[Config, int, str], RejectionAnswer] = ask_on_rejection,
+) -> Promotion:
+    """What the flow does after a rejected round, once it is recorded (promotion.on_reject):
+    continue; fail (RunHalted, exit 3); or pause for an operator, who continues, stops or promotes
+    it (recorded as a manual override; `settle` decides the round again). A temporary Prefect
+    server cannot be resumed from, so a pause there fails at once, saying how to go on."""
+    if outcome.decision.promoted or cfg.promotion.on_reject == "continue":
+        return outcome
+    reasons = "; ".join(f"{g.metric}: {g.reason}" for g in outcome.decision.failed)
+    rejected = f"round {round_index}'s policy (version {version}) was rejected by the promotion gates ({reasons})"
+    how = _how_to_go_on(cfg, round_index)
+    if cfg.promotion.on_reject == "fail":
+        raise RunHalted(f"{rejected}; promotion.on_reject=fail stops the run here. {how}")
+    if temporary_server():
+        raise RunHalted(
+            f"{rejected}; this run's Prefect server is temporary (PREFECT_API_URL is unset), so"
+            f" promotion.on_reject=pause cannot pause for an answer. {how}"
+        )
+    answer = ask(cfg, round_index, rejected)
+    if answer.action == "stop":
+        raise RunHalted(f"{rejected}; stopped by the operator. {how}")
+    if answer.action == "continue":
+        return outcome
+    write_override(cfg, round_index, answer.operator.strip(), answer.reason.strip())
+    return settle()

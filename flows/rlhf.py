@@ -25,7 +25,7 @@ from rlflow.engine.config.schema import Config, build_config
 from rlflow.engine.config.secrets import merge_trees, redacted_dict, shown_url
 from rlflow.flows.plan import read_run_file
 from rlflow.flows.compare import format_cell
-from rlflow.flows.promotion import halt_on_rejection, settle_promotion
+from rlflow.flows.promotion import answer_rejection, settle_promotion
 from rlflow.flows.report import build_report
 from rlflow.flows.rounds import RoundPlanner, lineage_tags, run_round
 from rlflow.tasks.stages import StageResult
@@ -191,7 +191,14 @@ def run_rounds(
         logger.info("round %d policy: version %s of MLflow model '%s'", r, version, registered_model_name(cfg.run.name))
         policy = final
         if cfg.promotion.enabled:
-            outcome = settle_promotion(cfg, tracker, parent_run_id, r, row, version, champion, logger)
+
+            def settle(r=r, row=row, version=version, before=champion):
+                return settle_promotion(cfg, tracker, parent_run_id, r, row, version, before, logger)
+
+            outcome = settle()
+            row["promotion"] = outcome.decision.as_row(outcome.champion_version)
+            write_summary(cfg, rows)  # the rejection on record before the run stops or pauses
+            outcome = answer_rejection(cfg, r, version, outcome, settle)
             row["promotion"] = outcome.decision.as_row(outcome.champion_version)
             champion = outcome.champion_version
             policy = final if outcome.decision.promoted else start
@@ -199,6 +206,4 @@ def run_rounds(
         logger.info(
             "round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url
         )
-        if cfg.promotion.enabled:
-            halt_on_rejection(cfg, r, version, outcome)
     return rows, policy if isinstance(policy, str) else policy.checkpoint_uri

@@ -49,5 +49,6 @@ class PromotionConfig(Section):
     """Check each round's candidate against the gates; a rejected one is not the next round's start."""
     gates: list[PromotionGate] = Field(default_factory=_default_gates)
     """Every gate must pass for a promotion (each {metric, min and/or max, optional})."""
-    on_reject: Literal["continue", "fail"] = "continue"
-    """After a rejected round: continue (the next round starts from the champion) or fail (exit 3)."""
+    on_reject: Literal["continue", "pause", "fail"] = "continue"
+    """After a rejected round: continue (the next round starts from the champion), pause the flow run
+    for an operator (continue, promote or stop; a temporary Prefect server fails instead) or fail (exit 3)."""

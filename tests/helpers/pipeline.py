@@ -1,5 +1,6 @@
 """Running the real CLI the way a user does, for the end-to-end scenarios: `rlflow run` as a
-subprocess, its config file, and the Prefect task runs a run left on the server."""
+subprocess, its config file, the Prefect task runs a run left on the server, and answering a
+paused flow run as an operator would."""
 
 import subprocess
 import sys
@@ -38,3 +39,35 @@ def prefect_task_runs(api_url, run_name):
             for fr in flow_runs
         ]
     return flow_runs, tasks
+
+
+def wait_paused(api_url, run_name, proc, timeout=300):
+    """Poll the server (no fixed sleeps) until the run's flow run is Paused; the CLI must be alive."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the flow run never paused"
+        flow_runs, _ = prefect_task_runs(api_url, run_name)
+        if flow_runs and flow_runs[-1].state.type.value == "PAUSED":
+            return flow_runs[-1]
+        time.sleep(0.2)
+
+
+def resume_paused(api_url, flow_run_id, run_input, proc, timeout=60):
+    """Resume with input from this (second) process; retried until the pausing flow has saved the
+    input's schema, which it does just after the Paused state is set."""
+    import time
+
+    from prefect.flow_runs import resume_flow_run
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + timeout
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        while True:
+            try:
+                return resume_flow_run(flow_run_id, run_input=run_input)
+            except RuntimeError as exc:  # "Run input schema not found" until the flow saved it
+                assert proc.poll() is None and time.monotonic() < deadline, exc
+                time.sleep(0.2)

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import small_config_tree
-from helpers.pipeline import cli, finish, prefect_task_runs, write_config
+from helpers.pipeline import cli, finish, prefect_task_runs, resume_paused, wait_paused, write_config
 from rlflow.engine.stages.breaker import BREACH_KL, BREACH_REWARD, StageOverrides
 from rlflow.engine.stages.context import Breach
 from rlflow.engine.storage.checkpoint import CheckpointStore
@@ -152,38 +152,6 @@ def test_a_rollback_to_an_uncommitted_step_is_refused_and_asked_again(tmp_path, 
     assert "rollback_step=3 is not a committed step (committed: [2, 4]); pausing again" in caplog.text
 
 
-def _wait_paused(api_url, run_name, proc, timeout=300):
-    """Poll the server (no fixed sleeps) until the run's flow run is Paused; the CLI must be alive."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "the flow run never paused"
-        flow_runs, _ = prefect_task_runs(api_url, run_name)
-        if flow_runs and flow_runs[-1].state.type.value == "PAUSED":
-            return flow_runs[-1]
-        time.sleep(0.2)
-
-
-def _resume(api_url, flow_run_id, run_input, proc, timeout=60):
-    """Resume with input from this (second) process; retried until the pausing flow has saved the
-    input's schema, which it does just after the Paused state is set."""
-    import time
-
-    from prefect.flow_runs import resume_flow_run
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    deadline = time.monotonic() + timeout
-    with temporary_settings(updates={PREFECT_API_URL: api_url}):
-        while True:
-            try:
-                return resume_flow_run(flow_run_id, run_input=run_input)
-            except RuntimeError as exc:  # "Run input schema not found" until the flow saved it
-                assert proc.poll() is None and time.monotonic() < deadline, exc
-                time.sleep(0.2)
-
-
 def test_kl_breach_pauses_the_flow_run_and_resumes_with_new_input(prefect_server, small_assets, tmp_path, hook):
     root, data = tmp_path / "runs", {}
     for name, rows in (("preferences", 64), ("preferences_eval", 32)):  # a 2-step reward model: quality is moot
@@ -201,12 +169,12 @@ def test_kl_breach_pauses_the_flow_run_and_resumes_with_new_input(prefect_server
         alerts={"webhook_url": hook.url, "headers": {"Authorization": f"Bearer {SECRETS[1]}"}},
     )
     proc = cli(write_config(tmp_path / "c.yaml", tree))
-    flow_run = _wait_paused(prefect_server, "paused", proc)
+    flow_run = wait_paused(prefect_server, "paused", proc)
     store = CheckpointStore(str(root / "paused" / "round_0" / "ppo"))
     assert store.committed_steps() == [2] and store.final() is None
     (_, body), = hook.received  # the alert went out before the pause
     assert json.loads(body)["step"] == 2 and json.loads(body)["reason"] == "kl"
-    _resume(prefect_server, flow_run.id, {"action": "continue", "max_kl": 100.0, "kl_coef": 0.3}, proc)
+    resume_paused(prefect_server, flow_run.id, {"action": "continue", "max_kl": 100.0, "kl_coef": 0.3}, proc)
     out = finish(proc)
     assert "[round 0 ppo] step 3/3" in out and not any(secret in out for secret in SECRETS)
     assert store.final()["step"] == 3

@@ -1,17 +1,16 @@
 """Promotion gates through the real CLI, a real Prefect server and a real MLflow sqlite store: a
-rejected round halts the run (on_reject=fail) with everything recorded, the continued run starts
-its next round from the rejected round's start, and the champion alias follows the decisions, also
-when the process dies between a round's tags and its alias move."""
+rejected round halts the run (on_reject=fail) with everything recorded; continued with
+on_reject=pause, the flow run pauses at each rejected round and an operator's answers (continue,
+then promote) decide the next round's start; the champion alias follows the decisions, also when
+the process dies between a round's tags and its alias move."""
 
 import json
 import os
-import subprocess
-import sys
 
 from mlflow.tracking import MlflowClient
 
 from conftest import small_config_tree
-from helpers.pipeline import cli, finish, write_config
+from helpers.pipeline import cli, finish, resume_paused, wait_paused, write_config
 from rlflow.engine.faults import FAULT_ENV, FAULT_ONCE_ENV, KILLED_EXIT_CODE
 
 REJECT_ALL = [{"metric": "kl", "min": 1000.0}, {"metric": "length_ratio", "min": 0.01, "max": 100.0}]
@@ -59,29 +58,32 @@ def test_a_rejected_round_is_recorded_and_the_next_round_starts_from_the_champio
     [artifact] = _gate_artifacts(prefect_server, "promotion-gated-round-0")
     assert "### Round 0: rejected" in artifact.data and "| kl |" in artifact.data
 
-    # Continued with a second round: round 0 is decided again from its cached evaluation (the
-    # same outcome, no new version), and round 1 starts from round 0's start (its SFT policy).
-    out = finish(cli(config, "run.rounds=2", "promotion.on_reject=continue"))
+    # Continued with a second round and on_reject=pause. Round 0, decided again from its cached
+    # evaluation (the same outcome, no new version), pauses the flow run: answered `continue`,
+    # round 1 starts from round 0's start (its SFT policy). Round 1 is rejected and pauses too:
+    # answered `promote`, it becomes the champion, recorded as a manual override.
+    proc = cli(config, "run.rounds=2", "promotion.on_reject=pause")
+    resume_paused(prefect_server, wait_paused(prefect_server, "gated", proc).id, {"action": "continue"}, proc)
+    by_hand = {"action": "promote", "operator": "ana", "reason": "checked by hand"}
+    resume_paused(prefect_server, wait_paused(prefect_server, "gated", proc).id, by_hand, proc)
+    out = finish(proc)
     assert "[round 0 ppo] step" not in out and "[round 1 ppo] step 2/2" in out
     assert _identity_inputs(root, 1, "ppo")["policy"] == _identity_inputs(root, 0, "ppo")["policy"]
-    assert f"final policy: {root / 'gated' / 'round_0' / 'sft'}" in out
+    assert "round 1 promoted by hand (ana: checked by hand)" in out
+    assert f"final policy: {root / 'gated' / 'round_1' / 'ppo'}" in out
     versions = sorted(client.search_model_versions("name = 'gated-policy'"), key=lambda v: int(v.version))
     outcomes = [(v.tags["rlflow.round"], v.tags["rlflow.promotion"]) for v in versions]
-    assert outcomes == [("0", "rejected"), ("1", "rejected")]
-    rows = json.loads((root / "gated" / "summary.json").read_text())["rounds"]
-    assert [r["promotion"]["decision"] for r in rows] == ["rejected", "rejected"]
-    assert "rejected" in out.split("gold_score_before")[-1]  # the printed table's promotion column
-
-    # Round 1 promoted by hand: the alias on it, who and why on the version; the continued run
-    # decides it the same (the override is the run's), and its next round would start from it.
-    promote = [sys.executable, "-m", "rlflow.flows.cli.main", "promote", "gated", "--root", str(root), "--round"]
-    done = subprocess.run([*promote, "1", "--reason", "checked by hand"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert outcomes == [("0", "rejected"), ("1", "promoted")]
+    assert versions[1].tags["rlflow.promotion.override"] == "ana: checked by hand"
+    assert versions[1].tags["rlflow.rejected.kl"].endswith("< min 1000")  # what the gates said stays
     assert client.get_registered_model("gated-policy").aliases == {"champion": 2}
-    assert client.get_model_version("gated-policy", "2").tags["rlflow.promotion.override"].endswith(": checked by hand")
+    rows = json.loads((root / "gated" / "summary.json").read_text())["rounds"]
+    assert [r["promotion"]["decision"] for r in rows] == ["rejected", "promoted"]
+    assert rows[1]["promotion"]["override"] == "ana: checked by hand"
+    assert "rejected" in out.split("gold_score_before")[-1]  # the printed table's promotion column
+    # The override is the run's: continued again, round 1 is decided promoted again.
     out = finish(cli(config, "run.rounds=2", "promotion.on_reject=continue"))
     assert "round 1 promoted by hand" in out and client.get_registered_model("gated-policy").aliases == {"champion": 2}
-    assert f"final policy: {root / 'gated' / 'round_1' / 'ppo'}" in out
 
     # Round 0 decided again under a gate it passes, the process killed after its tags, before the
     # alias moves: the tags say promoted, the alias still on round 1's version; the continued run

@@ -13,7 +13,7 @@ import yaml
 
 from conftest import small_config_tree
 from rlflow.engine.config.schema import build_config
-from rlflow.engine.errors import CheckpointError, ConfigError
+from rlflow.flows.cli.main import main
 from rlflow.flows.cli.promote import command_promote
 from rlflow.flows.promotion import OVERRIDES_FILE, read_overrides
 from rlflow.tasks.tracking import CHAMPION_ALIAS, RunTracker, record_promotion, register_policy
@@ -58,7 +58,8 @@ def run(small_assets, tmp_path, monkeypatch):
 
 
 def promote(root, round_index, reason="reviewed the invalid answers: near misses"):
-    return command_promote(argparse.Namespace(run=RUN, round=round_index, reason=reason, root=str(root)))
+    """`rlflow promote` as the CLI runs it: the exit code (errors print one line to stderr)."""
+    return main(["promote", RUN, "--round", str(round_index), "--reason", reason, "--root", str(root)])
 
 
 def test_a_manual_promotion_moves_the_alias_and_records_who_and_why(run, capsys):
@@ -76,24 +77,26 @@ def test_a_manual_promotion_moves_the_alias_and_records_who_and_why(run, capsys)
     assert [g["passed"] for g in row["gates"]] == [False, True]
     out = capsys.readouterr().out
     assert "### Round 1: promoted by hand" in out and "version 2 of 'nightly-policy' is the champion" in out
-    assert promote(root, 1) == 0 and "already promoted (version 2)" in capsys.readouterr().out
+    again = argparse.Namespace(run=RUN, round=1, reason="twice", root=str(root))  # the handler itself
+    assert command_promote(again) == 0 and "already promoted (version 2)" in capsys.readouterr().out
+    assert read_overrides(cfg) == {1: who}  # not recorded twice
 
 
-def test_it_refuses_what_it_cannot_promote_and_changes_nothing(run, small_assets):
+def test_it_refuses_what_it_cannot_promote_and_changes_nothing(run, capsys):
     root, cfg, client = run
-    with pytest.raises(ConfigError, match=r"round 0 of run 'nightly' is not its last round \(1\)"):
-        promote(root, 0)
-    with pytest.raises(ConfigError, match=r"round 2 of run 'nightly' has no promotion decision yet \(decided: \[0, 1"):
-        promote(root, 2)
-    with pytest.raises(ConfigError, match="--reason must say why"):
-        promote(root, 1, reason="  ")
+
+    def refused(round_index, reason="r"):
+        assert promote(root, round_index, reason) == 2
+        return capsys.readouterr().err
+
+    assert "round 0 of run 'nightly' is not its last round (1)" in refused(0)
+    assert "round 2 of run 'nightly' has no promotion decision yet (decided: [0, 1])" in refused(2)
+    assert "--reason must say why" in refused(1, reason="  ")
     (root / RUN / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "started": "x"}))
-    with pytest.raises(CheckpointError, match="already being run by pid"):
-        promote(root, 1)
+    assert "already being run by pid" in refused(1)
     (root / RUN / ".lock").unlink()
     assert str(client.get_registered_model(f"{RUN}-policy").aliases[CHAMPION_ALIAS]) == "1"
     assert not (root / RUN / OVERRIDES_FILE).exists() and read_overrides(cfg) == {}
     off = yaml.safe_load((root / RUN / "config.yaml").read_text()) | {"promotion": {"enabled": False}}
     (root / RUN / "config.yaml").write_text(yaml.safe_dump(off))
-    with pytest.raises(ConfigError, match="promotion.enabled=false"):
-        promote(root, 1)
+    assert "promotion.enabled=false" in refused(1)
