@@ -9,10 +9,10 @@ from rlflow.engine.config.promotion import PromotionConfig, PromotionGate
 def test_the_defaults_are_off_with_three_gates_that_need_no_gold():
     config = PromotionConfig()
     assert config.enabled is False and config.on_reject == "continue"
-    assert [(g.metric, g.min, g.max) for g in config.gates] == [
-        ("valid_drop", None, 0.1),
-        ("distinct_2_ratio", 0.8, None),
-        ("length_ratio", 0.5, 2.0),
+    assert [(g.metric, g.min, g.max, g.optional) for g in config.gates] == [
+        ("valid_drop", None, 0.1, False),
+        ("distinct_2_ratio", 0.8, None, True),  # one-word answers have no word pairs
+        ("length_ratio", 0.5, 2.0, False),
     ]
     assert not any(g.metric.startswith("gold") for g in config.gates)
 
