@@ -144,38 +144,56 @@ def post_alert(config: Config, payload: dict[str, Any], what: str) -> bool:
     return True
 
 
+def pause_until_answered(
+    form: Callable[[], type[RunInput]],
+    problem: Callable[[Any], str | None],
+    timeout_s: float,
+    timed_out: str,
+    where: str,
+) -> Any:
+    """Pause the flow run for an operator's answer to `form()` (built anew for each pause); an
+    invalid answer, or one `problem` refuses (a reason, None: it can be carried out), is logged and
+    asked again. Nobody answering within `timeout_s` raises RunHalted(`timed_out`)."""
+    logger = flow_logger()
+    while True:
+        try:
+            answer = pause_flow_run(wait_for_input=form(), timeout=int(timeout_s), poll_interval=PAUSE_POLL_S)
+        except FlowPauseTimeout:
+            raise RunHalted(timed_out) from None
+        except pydantic.ValidationError as exc:
+            logger.error("%s: the answer is not valid (%s); pausing again", where, " ".join(str(exc).split()))
+            continue
+        refused = problem(answer)
+        if refused is None:
+            return answer
+        logger.error("%s: %s; pausing again", where, refused)
+
+
 def ask_operator(config: Config, result: StageResult) -> BreachDecision:
     """Pause the flow run until an operator answers; a decision that cannot be carried out (a
     rollback to a step that is not committed) is refused with an error and asked again."""
-    breach, logger = result.breach, flow_logger()
+    breach = result.breach
     assert breach is not None
     store, _ = _stores(config, result)
     where = f"round {result.round_index} {result.stage}"
-    while True:
-        committed = store.committed_steps()
-        form = BreachDecision.with_initial_data(
+    committed: list[int] = []  # read again at each pause: what the form offers and the answer is checked against
+
+    def form() -> BreachDecision:
+        committed[:] = store.committed_steps()
+        return BreachDecision.with_initial_data(
             description=(
                 f"**{where}: {breach.message}.**\n\naction `continue` (optionally with a new `max_kl` and/or"
                 f" `kl_coef`), `rollback` to `rollback_step` (committed steps: {committed}) and continue from"
                 " there, or `stop`."
             )
         )
-        try:
-            decision = pause_flow_run(
-                wait_for_input=form, timeout=int(config.safety.pause_timeout_s), poll_interval=PAUSE_POLL_S
-            )
-        except FlowPauseTimeout:
-            raise RunHalted(
-                f"{where}: {breach.message}; nobody answered within safety.pause_timeout_s="
-                f"{config.safety.pause_timeout_s:g}; continue with: {continue_command(config, breach)}"
-            ) from None
-        except pydantic.ValidationError as exc:
-            logger.error("%s: the answer is not valid (%s); pausing again", where, " ".join(str(exc).split()))
-            continue
-        problem = decision.problem(committed)
-        if problem is None:
-            return decision
-        logger.error("%s: %s; pausing again", where, problem)
+
+    timeout = config.safety.pause_timeout_s
+    timed_out = (
+        f"{where}: {breach.message}; nobody answered within safety.pause_timeout_s={timeout:g};"
+        f" continue with: {continue_command(config, breach)}"
+    )
+    return pause_until_answered(form, lambda decision: decision.problem(committed), timeout, timed_out, where)
 
 
 def settle_breaches(

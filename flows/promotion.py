@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import fsspec
-import pydantic
 from prefect.artifacts import create_markdown_artifact
-from prefect.exceptions import FlowPauseTimeout
-from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 
 from rlflow.engine.config.schema import Config
@@ -26,7 +23,7 @@ from rlflow.engine.errors import RunHalted
 from rlflow.engine.faults import fault_point
 from rlflow.engine.promotion.gates import PromotionDecision, decide_promotion, gate_table
 from rlflow.engine.storage.files import now_iso
-from rlflow.flows.breach import PAUSE_POLL_S, flow_logger, post_alert, temporary_server
+from rlflow.flows.breach import pause_until_answered, post_alert, temporary_server
 from rlflow.flows.plan import read_run_file
 from rlflow.tasks.tracking import RunTracker, point_champion_alias, record_promotion
 
@@ -125,31 +122,20 @@ class RejectionAnswer(RunInput):
 def ask_on_rejection(cfg: Config, round_index: int, rejected: str) -> RejectionAnswer:
     """Pause the flow run until an operator answers; an answer that cannot be carried out is
     refused with an error and asked again."""
-    logger = flow_logger()
-    while True:
-        form = RejectionAnswer.with_initial_data(
-            description=(
-                f"**{rejected}.**\n\naction `continue` (the next round starts from the champion), `promote` (with"
-                " `operator` and `reason`: the round becomes the champion and the next round's start), or `stop`."
-            )
-        )
-        try:
-            answer = pause_flow_run(
-                wait_for_input=form, timeout=int(cfg.safety.pause_timeout_s), poll_interval=PAUSE_POLL_S
-            )
-        except FlowPauseTimeout:
-            raise RunHalted(
-                f"{rejected}; nobody answered within safety.pause_timeout_s={cfg.safety.pause_timeout_s:g}."
-                f" {_how_to_go_on(cfg, round_index)}"
-            ) from None
-        except pydantic.ValidationError as exc:
-            invalid = " ".join(str(exc).split())
-            logger.error("round %d: the answer is not valid (%s); pausing again", round_index, invalid)
-            continue
-        problem = answer.problem()
-        if problem is None:
-            return answer
-        logger.error("round %d: %s; pausing again", round_index, problem)
+    description = (
+        f"**{rejected}.**\n\naction `continue` (the next round starts from the champion), `promote` (with"
+        " `operator` and `reason`: the round becomes the champion and the next round's start), or `stop`."
+    )
+    timeout = cfg.safety.pause_timeout_s
+    timed_out = f"{rejected}; nobody answered within safety.pause_timeout_s={timeout:g}."
+    timed_out += f" {_how_to_go_on(cfg, round_index)}"
+    return pause_until_answered(
+        lambda: RejectionAnswer.with_initial_data(description=description),
+        RejectionAnswer.problem,
+        timeout,
+        timed_out,
+        f"round {round_index}",
+    )
 
 
 def _how_to_go_on(cfg: Config, round_index: int) -> str:

@@ -388,6 +388,14 @@ def register_policy(
     return str(version.version)
 
 
+def round_version(client: MlflowClient, run_name: str, round_index: int) -> Any | None:
+    """The registered version of round `round_index`'s policy (the newest, if the round was trained
+    again under a new manifest); None if none is registered."""
+    versions = client.search_model_versions(f"name = {_quoted(registered_model_name(run_name))}")
+    mine = [v for v in versions if v.tags.get(TAG_ROUND) == str(round_index)]
+    return max(mine, key=lambda v: int(v.version), default=None)
+
+
 CHAMPION_ALIAS = "champion"
 TAG_PROMOTION = "rlflow.promotion"
 TAG_OVERRIDE = "rlflow.promotion.override"  # "<who>: <why>" of `rlflow promote`

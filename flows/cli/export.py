@@ -16,19 +16,17 @@ EVAL_COLUMNS = ("round", "gold_score_before", "gold_score_after", "kl", "rm_accu
 
 def lineage_of(config: Any, round_index: int) -> dict[str, str]:
     """The registered version's lineage tags (rlflow.*) of that round; {} if none is registered."""
-    from rlflow.tasks.tracking import TAG_ROUND, registered_model_name, tracking_client
+    from rlflow.tasks.tracking import registered_model_name, round_version, tracking_client
 
     client = tracking_client(config.tracking.uri, config.run.root)
-    name = registered_model_name(config.run.name)
     try:
-        versions = client.search_model_versions(f"name = '{name}'")
+        version = round_version(client, config.run.name, round_index)
     except Exception as exc:  # noqa: BLE001 - an unreachable store: the card says so
         return {"registry": f"unavailable ({exc.__class__.__name__})"}
-    for version in versions:
-        if version.tags.get(TAG_ROUND) == str(round_index):
-            tags = {k.removeprefix("rlflow."): v for k, v in version.tags.items() if k.startswith("rlflow.")}
-            return {"registered_model": f"{name} version {version.version}"} | tags
-    return {}
+    if version is None:
+        return {}
+    tags = {k.removeprefix("rlflow."): v for k, v in version.tags.items() if k.startswith("rlflow.")}
+    return {"registered_model": f"{registered_model_name(config.run.name)} version {version.version}"} | tags
 
 
 def command_export(args: argparse.Namespace) -> int:

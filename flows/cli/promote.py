@@ -44,10 +44,10 @@ def command_promote(args: argparse.Namespace) -> int:
     from rlflow.flows.promotion import write_override
     from rlflow.flows.rlhf import write_summary
     from rlflow.tasks.tracking import (
-        TAG_ROUND,
         point_champion_alias,
         record_promotion,
         registered_model_name,
+        round_version,
         tracking_client,
     )
 
@@ -64,11 +64,10 @@ def command_promote(args: argparse.Namespace) -> int:
             return 0
         client = tracking_client(config.tracking.uri, config.run.root)
         name = registered_model_name(config.run.name)
-        [version] = [
-            str(v.version)
-            for v in client.search_model_versions(f"name = '{name}'")
-            if v.tags.get(TAG_ROUND) == str(args.round)
-        ]
+        registered = round_version(client, config.run.name, args.round)
+        if registered is None:
+            raise ConfigError(f"round {args.round} of run '{args.run}' has no registered version in {name}")
+        version = str(registered.version)
         override = write_override(config, args.round, getpass.getuser(), args.reason.strip())
         gates = tuple(GateResult(**g) for g in row["promotion"]["gates"])
         decision = PromotionDecision(True, gates, override)

@@ -12,6 +12,7 @@ from rlflow.engine.config.promotion import PromotionGate
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.errors import RunHalted
 from rlflow.engine.promotion.gates import decide_promotion
+from rlflow.flows import breach as flow_breach
 from rlflow.flows import promotion as flow_promotion
 from rlflow.flows.promotion import Promotion, RejectionAnswer, answer_rejection, artifact_key, read_overrides
 
@@ -64,7 +65,7 @@ def test_on_reject_pause_asks_and_continues_stops_or_promotes_by_hand(small_asse
 
 def test_a_promote_answer_without_a_reason_is_refused_and_asked_again(small_assets, tmp_path, monkeypatch, caplog):
     answers = iter([RejectionAnswer(action="promote", operator="ana"), RejectionAnswer(action="stop")])
-    monkeypatch.setattr(flow_promotion, "pause_flow_run", lambda **kwargs: next(answers))
+    monkeypatch.setattr(flow_breach, "pause_flow_run", lambda **kwargs: next(answers))  # the shared pause
     with caplog.at_level(logging.ERROR):
         answer = flow_promotion.ask_on_rejection(config(small_assets, tmp_path, "pause"), 1, "round 1 rejected")
     assert answer.action == "stop"
