@@ -177,6 +177,7 @@ def rl_stage(
             "rollout_n": c.rollout.n,
             "reward_sources": [s.model_dump(mode="json") for s in c.reward.sources],
             "reward_overlong": [c.reward.overlong_buffer, c.reward.overlong_penalty],
+            **({"uncertainty_penalty": c.reward.uncertainty_penalty} if c.reward.uncertainty_penalty else {}),
             "eval": c.eval,
             "gold": c.gold,
             "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode],
@@ -229,7 +230,9 @@ def reward_model_stage(
     rm_spec = planner.spec(
         "rm",
         r,
-        {"rm": c.rm.model_dump(exclude={"log_every"}), "model": model_section_of(c)},
+        # One head keeps the identities of runs from before rm.ensemble existed.
+        {"rm": c.rm.model_dump(exclude={"log_every"} | (set() if c.rm.ensemble > 1 else {"ensemble"})),
+         "model": model_section_of(c)},
         rm_inputs,
         ("preferences", "preferences_eval", "sft"),
     )

@@ -27,6 +27,8 @@ from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.backend.placement import devices_for
 from rlflow.engine.stages.rl.stage import PPOInputs
 from rlflow.engine.rewards.sources import FALLBACK_METRIC
+from rlflow.engine.rewards.model_scores import ScoreNorm
+from rlflow.engine.stages.reward_model import score_norm_from_metrics
 from rlflow.engine.stages.label_eval import (
     EvalInputs,
     EvalStageInputs,
@@ -260,9 +262,9 @@ def dpo_task(
     )
 
 
-def score_norm_of(rm: StageResult) -> tuple[float, float]:
-    """The reward model's (mean, std) on its fixed reference set, recorded by its stage."""
-    return rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"]
+def score_norm_of(rm: StageResult) -> ScoreNorm:
+    """The reward model's (mean, std) on its fixed reference set (per head: an ensemble), recorded by its stage."""
+    return score_norm_from_metrics(rm.metrics)
 
 
 @task(name="ppo", **STAGE_TASK)

@@ -150,6 +150,9 @@ class RewardConfig(Section):
     tokens loses overlong_penalty x its excess / overlong_buffer (the whole penalty at the limit); None: off."""
     overlong_penalty: float = Field(1.0, gt=0)
     """The overlong penalty of an answer that reaches sampling.max_new_tokens, in reward units."""
+    uncertainty_penalty: float = Field(0.0, ge=0)
+    """λ of an ensemble reward model's reward, mean - λ x std over its heads (rm.ensemble >= 2):
+    answers the heads disagree on, where the reward model is least trustworthy, earn less."""
     workers: int = Field(2, ge=1, le=256)
     """Processes that run the function and rule sources."""
     on_failure: Literal["pause", "fallback_rule", "fail"] = "pause"

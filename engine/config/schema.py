@@ -249,6 +249,16 @@ class Config(Section):
                 " model source without a path (so no reward model is trained); set ppo.critic_init=policy or a"
                 " critic-free algorithm.name (grpo, rloo, reinforce_pp)"
             )
+        if self.reward.uncertainty_penalty > 0 and not (self.rm.ensemble > 1 and self.reward.learned):
+            why = (
+                f"rm.ensemble={self.rm.ensemble} trains one head; set rm.ensemble=4 (say)"
+                if self.reward.learned
+                else "no reward source is the round's reward model (a model source without a path)"
+            )
+            raise ValueError(
+                f"reward.uncertainty_penalty={self.reward.uncertainty_penalty} penalises the spread of the round's"
+                f" ensemble reward model, but {why}, or set reward.uncertainty_penalty=0"
+            )
         world = self.resources.world_size
         # Every rank needs rows in every pass (ZeRO's collectives run in each forward and backward).
         shares = {

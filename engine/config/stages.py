@@ -42,6 +42,10 @@ class RewardModelConfig(SupervisedSection):
     at the stage's end; RL normalises the reward model's scores with them."""
     log_every: int = Field(10, ge=1)
     """Log metrics every this many steps."""
+    ensemble: int = Field(1, ge=1, le=32)
+    """Score heads on the one backbone, each trained on its own bootstrap resample of the pairs
+    (Poisson(1) weights): RL's reward is their mean, less reward.uncertainty_penalty x their
+    spread, logged as critic/score_std_ensemble (docs/reward-ensemble.md). 1: one head."""
 
 
 class PPOConfig(Section):

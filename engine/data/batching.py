@@ -74,6 +74,19 @@ def batch_indices(n_items: int, batch_size: int, step: int, *seed_parts: int) ->
     return out
 
 
+def bootstrap_weights(n_items: int, n_heads: int, *seed_parts: int) -> torch.Tensor:
+    """[n_items, n_heads] float counts: how often each head's bootstrap resample draws each item.
+
+    Poisson(1) per item and head (the online bootstrap: for many items the same distribution as
+    drawing n_items with replacement, and each item's count is independent of the others'), a
+    pure function of the seed, so a resumed stage trains each head on the same resample. One head
+    gets all ones: it trains on every item once, as without an ensemble."""
+    if n_heads == 1:
+        return torch.ones(n_items, 1)
+    generator = torch.Generator().manual_seed(step_seed(*seed_parts, n_heads))
+    return torch.poisson(torch.ones(n_items, n_heads), generator=generator)
+
+
 def rank_shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
     """This rank's share of a global batch: every world_size-th item, starting at its rank."""
     return list(indices[rank::world_size])

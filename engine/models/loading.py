@@ -198,34 +198,62 @@ def load_policy(
     return disable_dropout(strip_quantizer(model))
 
 
+SCORE_HEADS = "rlflow_score_heads"  # the HF config's record of an ensemble's number of score heads
+
+
 def load_scalar_model(
     path: str,
     dtype: str = "float32",
     trust_remote_code: bool = False,
     key: str = "rm.init",
     attn_implementation: str = "sdpa",
+    heads: int | None = None,
 ):
-    """A one-output `AutoModelForSequenceClassification` (reward model or critic).
+    """An `AutoModelForSequenceClassification` (reward model or critic) whose forward returns
+    per-token values: [B, T] with one score head, [B, T, H] with an ensemble of H heads.
 
-    Loading a causal-LM directory gives a freshly initialised head; it is zeroed so a new critic
-    or reward model starts at 0 instead of random noise. A trained head is kept as it is. A LoRA
-    directory (engine/models/lora.py) loads as its base with every adapter (and a trained head) merged in.
+    heads: None, as saved (one head for a causal-LM directory); H > 1 on a causal LM, a fresh
+    ensemble (rm.ensemble); 1 on a trained ensemble, its heads averaged into one (a critic started
+    from an ensemble reward model). Loading a causal-LM directory gives a freshly initialised head:
+    one head is zeroed so a new critic or reward model starts at 0 instead of random noise; an
+    ensemble's heads are drawn N(0, 1/hidden) each, so that they disagree wherever the training
+    pairs do not pull them together. A trained head is kept as it is. A LoRA directory
+    (engine/models/lora.py) loads as its base with every adapter (and a trained head) merged in.
     """
     from transformers import AutoModelForSequenceClassification
 
     from rlflow.engine.models.lora import is_lora_dir, load_lora_dir
 
+    config = load_model_config(path, trust_remote_code, key)
+    saved = int(getattr(config, SCORE_HEADS, 1))
+    build = saved if saved > 1 or heads is None else heads
+    if heads is not None and heads != saved and 1 not in (heads, saved):
+        raise ConfigError(f"{key} {path!r} holds an ensemble of {saved} score heads, not {heads}")
     if is_lora_dir(path):
-        load_base = lambda base: load_scalar_model(base, dtype, trust_remote_code, key, attn_implementation)  # noqa: E731
-        return load_lora_dir(path, load_base, key)
+        load_base = lambda base: load_scalar_model(  # noqa: E731
+            base, dtype, trust_remote_code, key, attn_implementation, heads=build
+        )
+        model = load_lora_dir(path, load_base, key)
+    else:
+        config.num_labels = build
+        if build > 1:
+            setattr(config, SCORE_HEADS, build)
+        model = _load_scalar_dir(
+            AutoModelForSequenceClassification, path, key, config, DTYPES[dtype], trust_remote_code, attn_implementation
+        )
+    if heads == 1 and build > 1:
+        _average_heads(model)
+    return model
 
+
+def _load_scalar_dir(cls, path: str, key: str, config: Any, dtype, trust_remote_code: bool, attn_implementation: str):
     model, info = _from_pretrained(
-        AutoModelForSequenceClassification,
+        cls,
         path,
         key,
+        config=config,
         output_loading_info=True,
-        num_labels=1,
-        dtype=DTYPES[dtype],
+        dtype=dtype,
         trust_remote_code=trust_remote_code,
         attn_implementation=resolve_attn_implementation(attn_implementation),
         use_safetensors=True,  # a pickled .bin checkpoint is never loaded
@@ -236,12 +264,33 @@ def load_scalar_model(
     if head_names & set(info["missing_keys"]):
         with torch.no_grad():
             for param in head.parameters():
-                param.zero_()
-    # Its forward returns per-token values [B, T]: critic and reward model both need them, and a
+                if config.num_labels == 1:
+                    param.zero_()
+                else:
+                    param.normal_(0.0, head.in_features**-0.5, generator=torch.Generator().manual_seed(0))
+    # Its forward returns per-token values: critic and reward model both need them, and a
     # DeepSpeed engine must run every training forward through the module's own forward (it
     # counts micro-steps there; a backbone called from outside would overwrite accumulated grads).
     model.forward = types.MethodType(_per_token_values, model)
     return disable_dropout(model)
+
+
+def _average_heads(model: nn.Module) -> None:
+    """Replace an ensemble's H score heads by one whose output is their mean (linear: exact)."""
+    for name in SCALAR_HEAD_NAMES:
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Linear):
+            mean = nn.Linear(head.in_features, 1, bias=head.bias is not None, dtype=head.weight.dtype)
+            with torch.no_grad():
+                mean.weight.copy_(head.weight.mean(0, keepdim=True))
+                if head.bias is not None:
+                    mean.bias.copy_(head.bias.mean(0, keepdim=True))
+            setattr(model, name, mean.to(head.weight.device))
+            model.config.num_labels = 1
+            if hasattr(model.config, SCORE_HEADS):
+                delattr(model.config, SCORE_HEADS)
+            return
+    raise ConfigError(f"{type(model).__name__} has no linear 'score' head to average")
 
 
 def scalar_head(model: nn.Module) -> nn.Linear:
@@ -300,8 +349,8 @@ def _per_token_values(
     position_ids: torch.Tensor | None = None,
     **_: Any,
 ) -> torch.Tensor:
-    """[B, T] values on the model's device; packed rows: attention_mask None and position_ids
-    restarting per sequence."""
+    """[B, T] values ([B, T, H] with H score heads) on the model's device; packed rows:
+    attention_mask None and position_ids restarting per sequence."""
     device = model_device(self)
     input_ids = input_ids.to(device)
     attention_mask = attention_mask.to(device) if attention_mask is not None else None
@@ -322,7 +371,8 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
 
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar head at each row's last attended token [B] (reward model score).
+    """Scalar head at each row's last attended token [B] (reward model score; [B, H] for an
+    ensemble of H heads).
 
     Located from the attention mask, not the pad id, so an EOS that doubles as pad still counts.
     """
@@ -330,7 +380,7 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     attention_mask = attention_mask.to(values.device)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (attention_mask.long() * positions).argmax(-1)
-    return values.gather(1, last[:, None]).squeeze(1)
+    return values[torch.arange(values.shape[0], device=values.device), last.to(values.device)]
 
 
 def save_model_dir(

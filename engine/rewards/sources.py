@@ -28,7 +28,13 @@ from rlflow.engine.config.methods import RewardConfig
 from rlflow.engine.config.base import FunctionRef
 from rlflow.engine.data.records import PromptRecord
 from rlflow.engine.errors import RewardFunctionError, RewardSourceError
-from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
+from rlflow.engine.rewards.model_scores import (
+    ScoreNorm,
+    ScoringModels,
+    ensemble_mean_std,
+    normalised_head_scores,
+    penalised_scores,
+)
 from rlflow.engine.models.loading import load_scalar_model, model_kwargs
 from rlflow.engine.faults import armed
 from rlflow.engine.rollout.generate import RolloutBatch
@@ -52,12 +58,21 @@ class FallbackState:
 
 @dataclass(frozen=True)
 class LearnedSource:
-    """A reward model as one weighted source."""
+    """A reward model as one weighted source; an ensemble's score is its heads' mean less
+    `penalty` x their std, and that std's batch mean is logged as `std_metric`."""
 
     name: str
     weight: float
     model: torch.nn.Module
-    score_norm: tuple[float, float]  # (mean, std) its raw scores are normalised by; (0, 1): raw
+    score_norm: ScoreNorm  # (mean, std) its raw scores are normalised by; (0, 1): raw
+    penalty: float = 0.0  # reward.uncertainty_penalty
+    std_metric: str = ""  # critic/score_std_ensemble for the round's reward model
+
+    def scores(self, batch: RolloutBatch, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[b] scores of one chunk, and the heads' std [b] (None: one head)."""
+        heads = normalised_head_scores(self.model, batch, self.score_norm, rows)
+        std = ensemble_mean_std(heads)[1] if heads.shape[1] > 1 else None
+        return penalised_scores(heads, self.penalty), std
 
 
 class RewardSource:
@@ -83,6 +98,7 @@ class RewardSource:
         self._failure: str | None = None
         self._function_failure: str | None = None
         self._skipped: dict[str, int] = {}
+        self._spread: dict[str, torch.Tensor] = {}  # std metric -> [sum, count] of this rank's chunks
         fn = None if rule is None else load_function(rule.fn, "reward.fallback_rule.fn")  # fails before training
         self._rule_fn: Callable[..., Any] | None = None if fn is None else functools.partial(fn, **rule.kwargs)
 
@@ -91,7 +107,13 @@ class RewardSource:
         is active (the failed source is not asked again: the rule scores the gathered batch)."""
         if self.fallback is not None:
             return torch.zeros(rows, len(self.learned))
-        columns = [normalised_scores(s.model, batch, s.score_norm, rows) for s in self.learned]
+        columns = []
+        for source in self.learned:
+            column, std = source.scores(batch, rows)
+            columns.append(column)
+            if std is not None:
+                total = self._spread.setdefault(source.std_metric, torch.zeros(2, dtype=torch.float64))
+                total += torch.tensor([float(std.sum()), std.numel()], dtype=torch.float64)
         scores = torch.stack(columns, dim=1) if columns else torch.zeros(rows, 0)
         # Decided after the forward pass: every rank runs the same collectives (ZeRO-3) either way.
         if not bool(torch.isfinite(scores).all()):  # e.g. an overflow in a low-precision reward model
@@ -157,6 +179,9 @@ class RewardSource:
                 skipped = dist.all_reduce_sum(torch.tensor(counts))
                 self.metrics |= {f"reward/{n}/skipped": float(skipped[i]) for i, n in enumerate(self.pool_weights)}
             self._skipped = {}
+            for metric, (total, count) in ((m, dist.all_reduce_sum(t)) for m, t in sorted(self._spread.items())):
+                self.metrics[metric] = float(total / count) if count else float("nan")
+            self._spread = {}
             return (scores * self.weights.to(scores.dtype)).sum(dim=1)
         if records is None or self._rule_fn is None:
             raise RewardSourceError("the fallback rule needs the batch's prompt records")
@@ -193,8 +218,9 @@ def build_reward_source(
     model_cfg: Any,
 ) -> RewardSource:
     """The RL stage's RewardSource: `scoring.reward_model` (the round's, normalised by its
-    score_norm) for a model source without a path, a frozen reward model loaded from `path` (raw
-    scores) for one with a path, and the pool's rules and functions."""
+    score_norm; an ensemble less reward.uncertainty_penalty x its spread) for a model source without
+    a path, a frozen reward model loaded from `path` (raw scores; an ensemble as the mean of its
+    heads) for one with a path, and the pool's rules and functions."""
     learned = []
     for s in reward.sources:
         if s.type != "model":
@@ -202,10 +228,13 @@ def build_reward_source(
         if s.path is None:
             if scoring.reward_model is None:
                 raise RewardSourceError(f"reward source {s.name!r} is the round's reward model, but none was trained")
-            learned.append(LearnedSource(s.name, s.weight, scoring.reward_model, scoring.score_norm))
+            model, norm, penalty = scoring.reward_model, scoring.score_norm, reward.uncertainty_penalty
+            learned.append(LearnedSource(s.name, s.weight, model, norm, penalty, "critic/score_std_ensemble"))
         else:
             kw = model_kwargs(model_cfg)
-            model = runtime.frozen(lambda p=s.path: load_scalar_model(p, key=f"reward.sources[{s.name}].path", **kw))
+            # Scored raw, so an ensemble's heads (each with an offset of its own) count as their mean.
+            key = f"reward.sources[{s.name}].path"
+            model = runtime.frozen(lambda p=s.path, k=key: load_scalar_model(p, key=k, heads=1, **kw))
             learned.append(LearnedSource(s.name, s.weight, model, (0.0, 1.0)))
     weights = {s.name: s.weight for s in reward.sources if s.type != "model"}
     return RewardSource(learned, fallback_rule, pool=pool, pool_weights=weights)

@@ -14,7 +14,7 @@ from rlflow.engine.backend import dist
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.data.records import PromptRecord, encode_prompts, format_prompt
 from rlflow.engine.errors import DataError
-from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
+from rlflow.engine.rewards.model_scores import ScoringModels, ensemble_mean_std, normalised_head_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
 from rlflow.engine.rollout.episodes import EpisodeSampler, episode_metrics
 from rlflow.engine.rollout.generate import batched_logprobs, generate_rollouts
@@ -70,7 +70,8 @@ def evaluate_policy(
     Prompts go in chunks of `batch_size`, each seeded from (seed, its start) and spread over the
     ranks, so the answers are the same for any number of processes.
 
-    Metrics: eval/gold_score (+ _stderr and eval/gold/<component>), eval/rm_score, eval/kl and
+    Metrics: eval/gold_score (+ _stderr and eval/gold/<component>), eval/rm_score (an ensemble's
+    mean; its heads' std: eval/rm_score_std_ensemble), eval/kl and
     eval/kl_to_sft (token-mean k3 estimate on the sampled tokens), eval/response_length (tokens),
     eval/distinct_2 (pooled over all answers' words), eval/valid_fraction. With `episodes` each
     prompt is an episode, scored on its final answer, and eval/env/* counts its turns and tool calls
@@ -78,7 +79,7 @@ def evaluate_policy(
     """
     texts: list[str] = []
     played: list[dict[str, Any]] = []  # with episodes: each row's Trajectory.summary() and transcript
-    per_row: list[torch.Tensor] = []  # [b, 4] per chunk: rm score, kl to reference, kl to sft, length
+    per_row: list[torch.Tensor] = []  # [b, 5] per chunk: rm score, its heads' std, kl to reference and sft, length
     for c, real in dist.rank_chunks(len(prompts.token_ids), batch_size):
         start = c * batch_size
         chunk = prompts.token_ids[start : start + batch_size]
@@ -90,11 +91,12 @@ def evaluate_policy(
         temperature = sampling.temperature or 1.0  # greedy answers: KL of the untempered distributions
         logprobs = batched_logprobs(policy, batch, temperature, chunk=rows)
         mask = batch.response_mask
-        columns = [
-            torch.full((rows,), float("nan"))
-            if models.reward_model is None
-            else normalised_scores(models.reward_model, batch, models.score_norm, rows)
-        ]
+        if models.reward_model is None:
+            columns = [torch.full((rows,), float("nan"))] * 2
+        else:
+            heads = normalised_head_scores(models.reward_model, batch, models.score_norm, rows)
+            mean, std = ensemble_mean_std(heads)
+            columns = [mean, std if heads.shape[1] > 1 else torch.full((rows,), float("nan"))]
         for anchor in (models.reference, models.sft):
             anchor_lp = batched_logprobs(anchor, batch, temperature, chunk=rows)
             columns.append(masked_mean(token_kl(logprobs, anchor_lp, "k3"), mask, dim=1))
@@ -107,7 +109,7 @@ def evaluate_policy(
     n_prompts = len(prompts.token_ids)
     table = dist.gather_chunked(torch.cat(per_row), n_prompts, batch_size, 0.0)
     texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
-    rm, kl_ref, kl_sft, lengths = ([table[:, i]] for i in range(4))
+    rm, rm_std, kl_ref, kl_sft, lengths = ([table[:, i]] for i in range(5))
     records = prompts.records
     gold = _gold_scores(models.gold, records, texts)
     n = len(gold.scores)
@@ -125,6 +127,8 @@ def evaluate_policy(
     }
     if models.reward_model is not None:
         metrics["eval/rm_score"] = float(torch.cat(rm).mean())
+        if not torch.isnan(torch.cat(rm_std)).all():  # an ensemble reward model: its heads' mean spread
+            metrics["eval/rm_score_std_ensemble"] = float(torch.cat(rm_std).mean())
     if episodes is not None:
         played = dist.gather_chunked_list(played, n_prompts, batch_size)
         metrics |= episode_metrics(played, "eval/env/") | _tool_use_metrics(played, gold.scores)

@@ -15,7 +15,7 @@ from rlflow.engine.config.stages import EvalConfig
 from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.data.records import PromptRecord, load_prompts
-from rlflow.engine.rewards.model_scores import ScoringModels
+from rlflow.engine.rewards.model_scores import ScoreNorm, ScoringModels
 from rlflow.engine.stages.evaluation import PolicyEvaluation, encode_prompt_set, evaluate_policy
 from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer
 from rlflow.engine.config.sampling import SamplingParams
@@ -131,7 +131,7 @@ class EvalInputs:
     reference: str
     sft: str
     reward_model: str | None  # None: the round trained no reward model
-    score_norm: tuple[float, float] | None
+    score_norm: ScoreNorm | None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Reward model: a one-output sequence classifier trained with the Bradley-Terry loss."""
+"""Reward model: a sequence classifier trained with the Bradley-Terry loss: one score head, or
+an ensemble of rm.ensemble heads on one backbone, each on its own bootstrap resample of the pairs."""
 
 from __future__ import annotations
 
@@ -11,12 +12,21 @@ import torch
 import torch.nn.functional as F
 from rlflow.engine.backend import dist
 from rlflow.engine.backend.runtime import LossParts, OptimSpec, TrainEngine
-from rlflow.engine.data.batching import PromptResponseIds, batch_indices, encode_pair, pack_rows, rank_shard, right_pad
+from rlflow.engine.data.batching import (
+    PromptResponseIds,
+    batch_indices,
+    bootstrap_weights,
+    encode_pair,
+    pack_rows,
+    rank_shard,
+    right_pad,
+)
 from rlflow.engine.config.schema import DataConfig
 from rlflow.engine.config.stages import RewardModelConfig
 from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.data.records import PreferencePair, load_preference_pairs, load_sft_examples
 from rlflow.engine.models.loading import load_scalar_model, load_tokenizer, model_kwargs, sequence_scores
+from rlflow.engine.rewards.model_scores import ScoreNorm, ensemble_mean_std
 from rlflow.engine.errors import DataError
 from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
 from rlflow.engine.models.lora import lora_metrics
@@ -25,8 +35,18 @@ from rlflow.engine.stages.lifecycle import finish, restore_training_state, save_
 
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
-    """Per-pair loss -log sigmoid(r_chosen - r_rejected); inputs and output [B]."""
+    """Per-pair loss -log sigmoid(r_chosen - r_rejected); inputs and output [B] (or [B, H]: per head)."""
     return -F.logsigmoid(chosen_scores - rejected_scores)
+
+
+def accuracy_by_spread(margins: torch.Tensor, spread: torch.Tensor) -> tuple[float, float]:
+    """Pair accuracy (margin > 0) of the half of the pairs with the lowest ensemble spread, and of
+    the half with the highest; margins, spread [N]. An informative spread makes the first higher.
+    With N odd the median pair is in neither half."""
+    order = torch.argsort(spread, stable=True)
+    half = len(order) // 2
+    correct = (margins > 0).float()
+    return float(correct[order[:half]].mean()), float(correct[order[len(order) - half :]].mean())
 
 
 PairRow = tuple[PromptResponseIds, PromptResponseIds]  # (chosen, rejected) encoded
@@ -43,7 +63,8 @@ def _pair_rows(tokenizer, pairs: list[PreferencePair], max_tokens: int) -> list[
 
 
 def _score_pairs(model, rows, pad_id: int, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores [N] of the chosen and of the rejected answers of N pairs (padded, or packed in one row)."""
+    """Scores [N, H] of the chosen and of the rejected answers of N pairs by the H heads (padded, or
+    packed in one row)."""
     sequences = [c for c, _ in rows] + [r for _, r in rows]
     if packed:
         batch = pack_rows(sequences)
@@ -51,6 +72,7 @@ def _score_pairs(model, rows, pad_id: int, packed: bool = False) -> tuple[torch.
         scores = values[0, batch.ends.to(values.device)]
     else:
         scores = sequence_scores(model, *right_pad(sequences, pad_id)[:2])
+    scores = scores if scores.dim() == 2 else scores[:, None]
     return scores[: len(rows)], scores[len(rows) :]
 
 
@@ -65,38 +87,85 @@ def _rank_passes(rows: list, batch_size: int) -> Iterator[tuple[list, bool]]:
 
 
 @torch.no_grad()
-def pairwise_accuracy(model, rows, pad_id: int, batch_size: int = 128) -> float:
-    """Fraction of pairs whose chosen answer scores strictly higher (labels taken as given)."""
+def pair_margins(model, rows, pad_id: int, norm: ScoreNorm, batch_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] margins (chosen minus rejected, the ensemble's mean of normalised heads) and [N] spread
+    (the heads' std, averaged over the pair's two answers; 0 for one head) of every pair, on every rank."""
     model.eval()
-    correct = 0
+    mean, std = (torch.as_tensor(x, dtype=torch.float32) for x in norm)
+    local = []
     for chunk, counts in _rank_passes(rows, batch_size):
-        chosen, rejected = _score_pairs(model, chunk, pad_id)
-        correct += int((chosen > rejected).sum()) if counts else 0
+        chosen, rejected = ((s.float().cpu() - mean) / std for s in _score_pairs(model, chunk, pad_id))
+        (c_mean, c_std), (r_mean, r_std) = ensemble_mean_std(chosen), ensemble_mean_std(rejected)
+        local += list(zip((c_mean - r_mean).tolist(), ((c_std + r_std) / 2).tolist())) if counts else []
     model.train()
-    return float(dist.all_reduce_sum(correct)) / max(1, len(rows))
+    pairs = [p for part in dist.all_gather_json(local) for p in part] if dist.is_distributed() else local
+    values = torch.tensor(pairs, dtype=torch.float32).reshape(-1, 2)
+    return values[:, 0], values[:, 1]
+
+
+def held_out_accuracies(model, eval_sets: dict[str, list], pad_id: int, norm: ScoreNorm) -> dict[str, float]:
+    """<set> (e.g. rm/accuracy): the fraction of held-out pairs whose chosen answer scores strictly
+    higher; for an ensemble also <set>_std_bottom_half and <set>_std_top_half, the same over the
+    half of the pairs the heads agree on most and the half they agree on least."""
+    metrics = {}
+    for key, rows in eval_sets.items():
+        margins, spread = pair_margins(model, rows, pad_id, norm)
+        metrics[key] = float((margins > 0).float().mean()) if len(margins) else 0.0
+        if spread.any() and len(margins) >= 2:
+            metrics[f"{key}_std_bottom_half"], metrics[f"{key}_std_top_half"] = accuracy_by_spread(margins, spread)
+    return metrics
 
 
 @torch.no_grad()
-def score_statistics(model, rows: list[PromptResponseIds], pad_id: int, batch_size: int = 128) -> tuple[float, float]:
-    """Mean and std of raw scores on a fixed reference set; PPO normalises rewards with them so
-    a retrained reward model does not shift the reward scale between rounds."""
+def score_statistics(model, rows: list[PromptResponseIds], pad_id: int, batch_size: int = 128) -> ScoreNorm:
+    """Mean and std of raw scores on a fixed reference set, per head for an ensemble; RL
+    normalises rewards with them so a retrained reward model does not shift the reward scale
+    between rounds."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)  # sum, sum of squares
+    parts = []  # [2, H] per pass: sum, sum of squares (0 for a pass that only keeps the ranks in step)
     for chunk, counts in _rank_passes(rows, batch_size):
         scores = sequence_scores(model, *right_pad(chunk, pad_id)[:2]).double().cpu()
-        if counts:
-            total += torch.stack([scores.sum(), (scores**2).sum()])
+        scores = scores if scores.dim() == 2 else scores[:, None]
+        parts.append(torch.stack([scores.sum(0), (scores**2).sum(0)]) * float(counts))
     model.train()
-    total, n = dist.all_reduce_sum(total), len(rows)
-    mean = float(total[0]) / n
-    variance = max(float(total[1]) / n - mean**2, 0.0) * n / max(n - 1, 1)  # unbiased, like torch.std
-    return mean, max(variance**0.5, 1e-6)
+    total, n = dist.all_reduce_sum(torch.stack(parts).sum(0)), len(rows)
+    mean = total[0] / n
+    variance = (total[1] / n - mean**2).clamp(min=0.0) * n / max(n - 1, 1)  # unbiased, like torch.std
+    std = variance.sqrt().clamp(min=1e-6)
+    if len(mean) == 1:
+        return float(mean[0]), float(std[0])
+    return tuple(mean.tolist()), tuple(std.tolist())
 
 
-def rm_train_step(engine: TrainEngine, runtime, rows, pad_id: int, batch_size: int, step: int, ctx) -> dict:
-    """One optimizer step of the Bradley-Terry loss averaged over every pair of global batch `step`."""
+def score_norm_metrics(norm: ScoreNorm) -> dict[str, float]:
+    """rm/score_mean and rm/score_std (an ensemble's: the heads' averages, and rm/heads plus
+    rm/head_<h>/score_mean and _std for each head), read back by score_norm_from_metrics."""
+    mean, std = norm
+    if isinstance(mean, float | int):
+        return {"rm/score_mean": float(mean), "rm/score_std": float(std)}
+    heads = {f"rm/head_{h}/score_{k}": float(v[h]) for h in range(len(mean)) for k, v in (("mean", mean), ("std", std))}
+    return {"rm/score_mean": sum(mean) / len(mean), "rm/score_std": sum(std) / len(std), "rm/heads": len(mean)} | heads
+
+
+def score_norm_from_metrics(metrics: dict[str, float]) -> ScoreNorm:
+    """The reward model's score normalisation from its stage's metrics (score_norm_metrics)."""
+    heads = int(metrics.get("rm/heads", 1))
+    if heads == 1:
+        return metrics["rm/score_mean"], metrics["rm/score_std"]
+    return (
+        tuple(metrics[f"rm/head_{h}/score_mean"] for h in range(heads)),
+        tuple(metrics[f"rm/head_{h}/score_std"] for h in range(heads)),
+    )
+
+
+def rm_train_step(
+    engine: TrainEngine, runtime, rows, weights: torch.Tensor, pad_id: int, batch_size: int, step: int, ctx
+) -> dict:
+    """One optimizer step of the Bradley-Terry loss over every pair of global batch `step`, head h's
+    loss of pair i weighted by weights[i, h] (its bootstrap count; [N, H]) and averaged over heads."""
     indices = batch_indices(len(rows), batch_size, step, ctx.seed, ctx.round_index, 2)
-    mine = [rows[j] for j in rank_shard(indices, dist.rank(), dist.world_size())]
+    ids = rank_shard(indices, dist.rank(), dist.world_size())
+    mine = [rows[j] for j in ids]
     packed = runtime.cfg.packing
     if packed:  # a pair costs its two sequences' real tokens
         groups = runtime.packed_micro_batches([sum(len(x.prompt) + len(x.response) for x in pair) for pair in mine])
@@ -104,13 +173,15 @@ def rm_train_step(engine: TrainEngine, runtime, rows, pad_id: int, batch_size: i
         groups = runtime.micro_batches(
             [2 * max(len(c.prompt) + len(c.response), len(r.prompt) + len(r.response)) for c, r in mine]
         )
-    batches = [[mine[j] for j in g] for g in groups]
+    batches = [([mine[j] for j in g], weights[[ids[j] for j in g]]) for g in groups]
 
-    def loss_fn(model, pairs) -> LossParts:
+    def loss_fn(model, micro) -> LossParts:
+        pairs, pair_weights = micro
         chosen, rejected = _score_pairs(model, pairs, pad_id, packed)
-        margin = (chosen - rejected).detach()
+        losses = bradley_terry_loss(chosen, rejected) * pair_weights.to(chosen.device)  # [b, H]
+        margin = (chosen - rejected).detach().mean(1)
         return LossParts(
-            bradley_terry_loss(chosen, rejected).sum(),
+            losses.sum() / losses.shape[1],
             float(len(pairs)),
             {
                 "rm/train_accuracy": (float((margin > 0).sum()), len(pairs)),
@@ -118,7 +189,7 @@ def rm_train_step(engine: TrainEngine, runtime, rows, pad_id: int, batch_size: i
             },
         )
 
-    out = engine.train_step(batches, [float(len(b)) for b in batches], loss_fn)
+    out = engine.train_step(batches, [float(len(b)) for b, _ in batches], loss_fn)
     return {"rm/loss": out["loss"], "rm/grad_norm": out["grad_norm"], "rm/lr": out["lr"]} | {
         k: out[k] for k in ("rm/train_accuracy", "rm/margin", "skipped")
     }
@@ -174,7 +245,7 @@ def run_reward_model_stage(ctx: StageContext, inputs: RewardModelStageInputs, st
     pad = tokenizer.pad_token_id
 
     def load():
-        model = load_scalar_model(inputs.init_path, **model_kwargs(inputs.model))
+        model = load_scalar_model(inputs.init_path, heads=cfg.ensemble, **model_kwargs(inputs.model))
         model.config.pad_token_id = pad
         return model
 
@@ -186,64 +257,72 @@ def run_reward_model_stage(ctx: StageContext, inputs: RewardModelStageInputs, st
     if inputs.model.lora_for("rm"):
         ctx.sink.log_metrics(lora_metrics("reward_model", engine.model), 0)
     engine.train()
-    steps = _RewardModelSteps(ctx, engine, tokenizer, cfg, data, (train_rows, eval_sets), total_steps)
+    weights = bootstrap_weights(len(train_rows), cfg.ensemble, ctx.seed, ctx.round_index, 3)
+    steps = _RewardModelSteps(ctx, engine, tokenizer, cfg, data, (train_rows, weights, eval_sets), total_steps)
     step = 0
     if resume is not None:
         restore_training_state(ctx, resume, {"model": engine})
         step = resume
     step = run_stage_loop(ctx, guard, steps, step).step
     metrics = steps.metrics
+    mean, std = ctx.store.manifest(step)["meta"]["score_norm"]
+    norm = (mean, std) if isinstance(mean, float | int) else (tuple(mean), tuple(std))
     if not set(eval_sets) <= set(metrics):  # resumed exactly at the last step, or stopped by a request
-        metrics |= steps.accuracies()
-    metrics["rm/score_mean"], metrics["rm/score_std"] = ctx.store.manifest(step)["meta"]["score_norm"]
-    keep = ("rm/loss", "rm/accuracy", "rm/accuracy_online", "rm/score_mean", "rm/score_std")
-    summary = {k: metrics[k] for k in keep if k in metrics} | {"rm/pairs": len(train_rows)}
+        metrics |= steps.accuracies(norm)
+    metrics |= score_norm_metrics(norm)
+    keep = ("rm/loss", "rm/accuracy", "rm/accuracy_online", "rm/score_mean", "rm/score_std", "rm/heads")
+    spread = [k for k in metrics if k.endswith(("_std_bottom_half", "_std_top_half")) or k.startswith("rm/head_")]
+    summary = {k: metrics[k] for k in (*keep, *spread) if k in metrics} | {"rm/pairs": len(train_rows)}
     return finish(ctx, step, summary, resume, changed)
 
 
 class _RewardModelSteps:
-    """The reward model's part of the stage loop: epochs over the pairs, accuracies at the end,
-    and at the last commit the score statistics RL normalises with."""
+    """The reward model's part of the stage loop: epochs over the pairs, and at the end the score
+    statistics RL normalises with (kept in the last checkpoint) and the held-out accuracies."""
 
     def __init__(
         self, ctx: StageContext, engine: TrainEngine, tokenizer: Any, cfg: RewardModelConfig, data: DataConfig,
-        rows: tuple[list, dict[str, list]], total_steps: int,
+        rows: tuple[list, torch.Tensor, dict[str, list]], total_steps: int,
     ):
         self.ctx, self.engine, self.tokenizer, self.cfg, self.data = ctx, engine, tokenizer, cfg, data
-        (train_rows, eval_sets), self.total_steps = rows, total_steps
+        (self.train_rows, self.weights, self.eval_sets), self.total_steps = rows, total_steps
         self.pad, self.engines = tokenizer.pad_token_id, (engine,)
-        self.train_rows, self.eval_sets = train_rows, eval_sets
         self.metrics: dict[str, float] = {}
+        self.norm: ScoreNorm | None = None  # measured at the last step
 
-    def accuracies(self) -> dict[str, float]:
-        return {k: pairwise_accuracy(self.engine.forward, rows, self.pad) for k, rows in self.eval_sets.items()}
+    def accuracies(self, norm: ScoreNorm) -> dict[str, float]:
+        return held_out_accuracies(self.engine.forward, self.eval_sets, self.pad, norm)
+
+    def reference_norm(self) -> ScoreNorm:
+        cfg, data = self.cfg, self.data
+        reference = [
+            encode_pair(self.tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens, ex.tools)
+            for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]
+        ]
+        return score_statistics(self.engine.forward, reference, self.pad)
 
     def more(self, step: int) -> bool:
         return step < self.total_steps
 
     def update(self, step: int) -> dict[str, float]:
-        ctx = self.ctx
-        return rm_train_step(self.engine, ctx.runtime, self.train_rows, self.pad, self.cfg.batch_size, step, ctx)
+        ctx, rows, batch_size = self.ctx, self.train_rows, self.cfg.batch_size
+        return rm_train_step(self.engine, ctx.runtime, rows, self.weights, self.pad, batch_size, step, ctx)
 
     def report(self, step: int, metrics: dict[str, float], stopping: bool) -> StepReport:
         last = step == self.total_steps or stopping
         log = step % self.cfg.log_every == 0 or last
         if last:
-            metrics |= self.accuracies()
+            self.norm = self.reference_norm()
+            metrics |= score_norm_metrics(self.norm) | self.accuracies(self.norm)
         self.metrics = metrics
         return StepReport(metrics, last, log)
 
     def commit(self, step: int, whole: bool, last: bool) -> str:
-        cfg, data, metrics = self.cfg, self.data, self.metrics
-        if last:
-            reference = [
-                encode_pair(self.tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens, ex.tools)
-                for ex in load_sft_examples(data.sft, data.storage_options)[: cfg.norm_samples]
-            ]
-            scores = score_statistics(self.engine.forward, reference, self.pad)
-            metrics["rm/score_mean"], metrics["rm/score_std"] = scores
+        if last and self.norm is None:  # a stop request while logging made this step the last
+            self.norm = self.reference_norm()
+        mean, std = self.norm if last else (0.0, 1.0)  # only the last step's statistics are read
         meta = {
-            "score_norm": [metrics.get("rm/score_mean", 0.0), metrics.get("rm/score_std", 1.0)],
-            "data_position": {"pairs_seen": step * cfg.batch_size},
+            "score_norm": [x if isinstance(x, float) else list(x) for x in (mean, std)],
+            "data_position": {"pairs_seen": step * self.cfg.batch_size},
         }
         return save_checkpoint(self.ctx, step, {"model": (self.engine, self.tokenizer)}, meta, whole)

@@ -24,7 +24,7 @@ from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.data.records import load_prompts
 from rlflow.engine.stages.evaluation import PromptSet, encode_prompt_set
-from rlflow.engine.rewards.model_scores import ScoringModels
+from rlflow.engine.rewards.model_scores import ScoreNorm, ScoringModels
 from rlflow.engine.backend import dist
 from rlflow.engine.backend.runtime import OptimSpec, Runtime
 from rlflow.engine.stages.breaker import PPOGuards, PPOSafety, paused_outcome
@@ -67,7 +67,7 @@ class PPOInputs:
     reference: str  # KL anchor (the SFT policy or the round's start, per kl.reference)
     sft: str  # SFT policy, for eval/kl_to_sft
     reward_model: str | None  # the round's reward model; None: no reward source is the round's model
-    score_norm: tuple[float, float] | None  # the reward model's (mean, std) on its reference set
+    score_norm: ScoreNorm | None  # the reward model's (mean, std) on its reference set (per head: an ensemble)
     critic: str | None  # initial critic: the reward model or the policy (ppo.critic_init); None: critic-free
 
 
@@ -112,7 +112,7 @@ def load_ppo_models(
     scoring = ScoringModels(reward_model, inputs.score_norm, reference, sft, gold)
     critic = None
     if inputs.critic is not None:
-        load_critic = lambda: load_scalar_model(inputs.critic, key="critic", **kw)  # noqa: E731
+        load_critic = lambda: load_scalar_model(inputs.critic, key="critic", heads=1, **kw)  # noqa: E731
         critic = runtime.trainable("critic", load_critic, critic_optim, lora=lora)
         if lora is not None:
             disable_dropout(critic.model)

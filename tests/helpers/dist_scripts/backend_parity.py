@@ -56,7 +56,8 @@ def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: En
         return model
 
     rm = runtime.trainable("model", load_rm, OptimSpec(1e-3, 0.0, 0, 10, 1.0))
-    result["rm"] = [rm_train_step(rm, runtime, rm_rows, pad, 16, step, ctx) for step in (1, 2)]
+    ones = torch.ones(len(rm_rows), 1)  # one head: every pair once
+    result["rm"] = [rm_train_step(rm, runtime, rm_rows, ones, pad, 16, step, ctx) for step in (1, 2)]
     weights.update({f"rm.{k}": v for k, v in (rm.gathered_state_dict() or {}).items()})
 
     tree = {"ppo": {"rollout_batch": 16, "mini_batch": 8, "epochs": 1}, "sampling": {"max_new_tokens": 16}}

@@ -139,6 +139,28 @@ def test_the_rl_stage_identity_leaves_out_the_breaker_and_logging_keys(small_ass
         assert other.identity != base.identity, changed
 
 
+def test_an_ensemble_and_its_penalty_enter_the_identities_and_one_head_keeps_the_old_ones(
+    small_assets, tmp_path, monkeypatch
+):
+    def rm_identity(root, **sections):
+        cfg = config(small_assets, root, **sections)
+        task = RecordingTask()
+        monkeypatch.setattr(rounds, "rm_task", task)
+        rounds.reward_model_stage(cfg, RoundPlanner(cfg, "p"), 0, str(small_assets / "tiny-model"), [])
+        return task.specs[0]
+
+    one = rm_identity(tmp_path / "a")
+    assert "ensemble" not in one.identity_tree["config"]["rm"]  # as before rm.ensemble existed
+    four = rm_identity(tmp_path / "b", rm={"ensemble": 4})
+    assert four.identity != one.identity and four.identity_tree["config"]["rm"]["ensemble"] == 4
+    base = ppo_identity(small_assets, tmp_path / "c", monkeypatch)
+    assert "uncertainty_penalty" not in base.identity_tree["config"]
+    penalised = ppo_identity(
+        small_assets, tmp_path / "d", monkeypatch, rm={"ensemble": 4}, reward={"uncertainty_penalty": 10.0}
+    )
+    assert penalised.identity != base.identity and penalised.identity_tree["config"]["uncertainty_penalty"] == 10.0
+
+
 def test_model_keys_in_an_identity_skip_the_path_and_an_unset_lora(small_assets, tmp_path):
     cfg = config(small_assets, tmp_path)
     section = model_section_of(cfg)

@@ -5,6 +5,7 @@ eager attention kernel all give the loss and updated weights of one whole-batch 
 import warnings
 
 import pytest
+import torch
 
 from rlflow.engine.backend.runtime import OptimSpec, Runtime
 from rlflow.engine.data.batching import encode_pair
@@ -48,7 +49,8 @@ def rm_step(sft_dir, rm_dir, assets, tmp_path, engine_cfg):
 
     engine = runtime.trainable("model", load, OptimSpec(1e-3, 0.0, 0, 10, 1.0))
     engine.train()
-    out = rm_train_step(engine, runtime, rows, tokenizer.pad_token_id, 16, 1, make_ctx(tmp_path, "rm"))
+    ones = torch.ones(len(rows), 1)  # one head: every pair once
+    out = rm_train_step(engine, runtime, rows, ones, tokenizer.pad_token_id, 16, 1, make_ctx(tmp_path, "rm"))
     return out, {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
 
 

@@ -130,3 +130,19 @@ def test_dapo_keys_are_checked_against_the_rest_of_the_config():
         build_config(grpo | {"rollout": {"n": 4, "mode": "server"}}, "t")
     with pytest.raises(ConfigError, match=r"reward.overlong_buffer=40 .* sampling.max_new_tokens=32.* at most 32"):
         build_config({"reward": {"overlong_buffer": 40}, "sampling": {"max_new_tokens": 32}}, "t")
+
+
+def test_the_uncertainty_penalty_needs_the_rounds_reward_model_to_be_an_ensemble():
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.errors import ConfigError
+
+    config = build_config({"rm": {"ensemble": 4}, "reward": {"uncertainty_penalty": 0.5}}, "t")
+    assert (config.rm.ensemble, config.reward.uncertainty_penalty) == (4, 0.5)
+    with pytest.raises(ConfigError, match=r"uncertainty_penalty=0.5 .* but rm.ensemble=1 trains one head; set rm.ens"):
+        build_config({"reward": {"uncertainty_penalty": 0.5}}, "t")
+    rule_only = {"sources": [{"name": "len", "type": "length", "kwargs": {"target": 3}}], "uncertainty_penalty": 1.0}
+    with pytest.raises(ConfigError, match="no reward source is the round's reward model"):
+        grpo = {"algorithm": {"name": "grpo"}, "rollout": {"n": 4}}
+        build_config({"rm": {"ensemble": 4}, "reward": rule_only} | grpo, "t")
+    with pytest.raises(ConfigError, match=r"rm.ensemble"):
+        build_config({"rm": {"ensemble": 0}}, "t")

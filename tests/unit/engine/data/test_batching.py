@@ -1,4 +1,6 @@
-from rlflow.engine.data.batching import PromptResponseIds, batch_indices, left_pad, right_pad
+import torch
+
+from rlflow.engine.data.batching import PromptResponseIds, batch_indices, bootstrap_weights, left_pad, right_pad
 
 
 def test_right_pad_masks_response_by_length_even_when_eos_is_the_pad_token():
@@ -24,3 +26,16 @@ def test_batches_are_a_pure_function_of_step_and_cover_each_epoch():
     assert sorted(first_epoch) == list(range(n))  # steps 1..3 (10 items) are one permutation
     assert batch_indices(n, size, 3, 0, 0) == batch_indices(n, size, 3, 0, 0)
     assert batch_indices(n, size, 1, 0, 0) != batch_indices(n, size, 1, 1, 0)  # other seed, other order
+
+
+def test_bootstrap_weights_are_each_heads_own_poisson_resample_and_a_pure_function_of_the_seed():
+    weights = bootstrap_weights(4000, 4, 7, 0, 3)
+    assert weights.shape == (4000, 4) and torch.equal(weights, bootstrap_weights(4000, 4, 7, 0, 3))
+    assert not torch.equal(weights, bootstrap_weights(4000, 4, 8, 0, 3))  # another seed, other resamples
+    assert torch.equal(weights, weights.round()) and weights.min() >= 0  # counts
+    # Poisson(1): mean 1, variance 1, a share e^-1 of the items left out of each head's resample.
+    assert torch.allclose(weights.mean(0), torch.ones(4), atol=0.05)
+    assert torch.allclose(weights.var(0), torch.ones(4), atol=0.1)
+    assert torch.allclose((weights == 0).float().mean(0), torch.full((4,), 0.3679), atol=0.03)
+    assert all(not torch.equal(weights[:, 0], weights[:, h]) for h in (1, 2, 3))  # heads resample apart
+    assert torch.equal(bootstrap_weights(5, 1, 7), torch.ones(5, 1))  # one head: every item once

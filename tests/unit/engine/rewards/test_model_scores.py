@@ -1,9 +1,15 @@
-"""Reward-model scores normalised by a reference set's (mean, std), in row chunks."""
+"""Reward-model scores normalised by a reference set's (mean, std), in row chunks; an ensemble's heads
+each by their own, and its mean, spread and uncertainty-penalised reward."""
 
 import pytest
 import torch
 
-from rlflow.engine.rewards.model_scores import normalised_scores
+from rlflow.engine.rewards.model_scores import (
+    ensemble_mean_std,
+    normalised_head_scores,
+    normalised_scores,
+    penalised_scores,
+)
 from rlflow.engine.rollout.generate import RolloutBatch
 
 
@@ -45,3 +51,39 @@ def test_chunks_cover_every_row_once_and_do_not_change_the_scores():
     assert model.calls == [2, 2, 1]
     assert chunked.tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]
     assert torch.equal(chunked, normalised_scores(LastTokenScorer(), batch, (0.0, 1.0), chunk=64))
+
+
+class HeadsScorer(torch.nn.Module):
+    """An ensemble 'reward model' of len(scales) heads: head h's value is the token id times scales[h]."""
+
+    def __init__(self, scales):
+        super().__init__()
+        self.scales = torch.tensor(scales)
+
+    def forward(self, input_ids, attention_mask):
+        return input_ids.float()[..., None] * self.scales
+
+
+def test_an_ensembles_heads_are_each_normalised_by_their_own_statistics():
+    batch = batch_of([[0, 5, 7, 9], [4, 5, 6, 0]], [[0, 1, 1, 1], [1, 1, 1, 0]])
+    # raw heads: 9 x (1, 2, -1) and 6 x (1, 2, -1); per-head norms ((7, 14, -7), (2, 4, 2))
+    heads = normalised_head_scores(HeadsScorer([1.0, 2.0, -1.0]), batch, ((7.0, 14.0, -7.0), (2.0, 4.0, 2.0)))
+    assert torch.allclose(heads, torch.tensor([[1.0, 1.0, -1.0], [-0.5, -0.5, 0.5]]))
+    one = normalised_head_scores(LastTokenScorer(), batch, (7.0, 2.0))
+    assert one.shape == (2, 1) and one[:, 0].tolist() == pytest.approx([1.0, -0.5])
+    # The ensemble's score is the heads' mean: (1 + 1 - 1) / 3 and (-0.5 - 0.5 + 0.5) / 3.
+    mean = normalised_scores(HeadsScorer([1.0, 2.0, -1.0]), batch, ((7.0, 14.0, -7.0), (2.0, 4.0, 2.0)))
+    assert mean.tolist() == pytest.approx([1 / 3, -1 / 6])
+
+
+def test_the_penalised_reward_is_the_mean_less_lambda_times_the_unbiased_std():
+    heads = torch.tensor([[1.0, 2.0, 3.0, 6.0], [0.5, 0.5, 0.5, 0.5]])
+    mean, std = ensemble_mean_std(heads)
+    # Row 0: mean 3, deviations -2 -1 0 3, sum of squares 14, unbiased variance 14 / 3.
+    assert mean.tolist() == pytest.approx([3.0, 0.5])
+    assert std.tolist() == pytest.approx([(14 / 3) ** 0.5, 0.0])
+    assert penalised_scores(heads, 0.5).tolist() == pytest.approx([3.0 - 0.5 * (14 / 3) ** 0.5, 0.5])
+    assert torch.equal(penalised_scores(heads, 0.0), mean)
+    one = torch.tensor([[2.0], [-1.0]])  # a single head: no spread, nothing to penalise
+    assert ensemble_mean_std(one)[1].tolist() == [0.0, 0.0]
+    assert penalised_scores(one, 3.0).tolist() == [2.0, -1.0]

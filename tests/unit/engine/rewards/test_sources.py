@@ -107,7 +107,7 @@ def test_the_rounds_model_source_uses_the_rounds_reward_model_and_its_norm():
     rm = LastTokenScorer()
     source = build_reward_source(reward, _scoring(rm), None, pool=None, runtime=None, model_cfg=None)
     assert source.names == ["rm"] and source.weights.tolist() == [3.0]
-    assert source.learned == (LearnedSource("rm", 3.0, rm, (1.0, 2.0)),)
+    assert source.learned == (LearnedSource("rm", 3.0, rm, (1.0, 2.0), 0.0, "critic/score_std_ensemble"),)
     assert start_reward_pool(reward) is None  # no rule or function source: no worker processes
 
 
@@ -128,3 +128,30 @@ def test_function_sources_are_weighted_after_the_learned_ones_and_collect_zeros_
     assert source.names == ["rm", "len"] and source.weights.tolist() == [1.0, 0.5]
     assert source.submit(BATCH, RECORDS) is None
     assert source.collect(None, rows=3).shape == (3, 1)
+
+
+class TwoHeads(torch.nn.Module):
+    """An ensemble of two heads: the token id, and three times it."""
+
+    def forward(self, input_ids, attention_mask):
+        return input_ids.float()[..., None] * torch.tensor([1.0, 3.0])
+
+
+def test_an_ensemble_source_is_rewarded_its_heads_mean_less_the_penalty_and_logs_their_spread():
+    reward = RewardConfig(uncertainty_penalty=0.5)
+    scoring = ScoringModels(TwoHeads(), ((0.0, 0.0), (1.0, 1.0)), LastTokenScorer(), LastTokenScorer(), len)
+    source = build_reward_source(reward, scoring, None, pool=None, runtime=None, model_cfg=None)
+    scores = source.model_scores(BATCH, rows=3, step=1)
+    # Last tokens 4, 6, 8: heads (x, 3x), mean 2x, unbiased std sqrt(2) x; reward 2x - 0.5 sqrt(2) x.
+    x = torch.tensor([4.0, 6.0, 8.0])
+    assert torch.allclose(scores[:, 0], 2 * x - 0.5 * 2**0.5 * x)
+    final = source.final_scores(scores, RECORDS, ["a", "b", "c"])
+    assert torch.allclose(final, scores[:, 0])
+    assert source.metrics["critic/score_std_ensemble"] == pytest.approx(2**0.5 * 6.0)
+    assert source.metrics["reward/rm/mean"] == pytest.approx(float(scores.mean()))
+    source.model_scores(BATCH, rows=3, step=2)  # the spread is the step's own: not carried over
+    source.final_scores(scores, RECORDS, ["a", "b", "c"])
+    assert source.metrics["critic/score_std_ensemble"] == pytest.approx(2**0.5 * 6.0)
+    plain = build_reward_source(RewardConfig(), _scoring(LastTokenScorer()), None, None, None, None)
+    plain.final_scores(plain.model_scores(BATCH, rows=3, step=1), RECORDS, ["a", "b", "c"])
+    assert "critic/score_std_ensemble" not in plain.metrics  # one head: no spread to log

@@ -72,6 +72,25 @@ def test_metrics_are_the_draws_own_numbers(tiny):
     assert rows[0]["rm_score"] == pytest.approx(float(rm[0]))
     assert evaluation.gold_scores == pytest.approx(scores)
     assert evaluation.valid == tuple(float(bool(t.strip())) for t in texts)
+    assert "eval/rm_score_std_ensemble" not in metrics  # one head: no spread
+
+
+class TwoHeads(torch.nn.Module):
+    def forward(self, input_ids, attention_mask):
+        return input_ids.float()[..., None] * torch.tensor([1.0, -1.0])
+
+
+def test_an_ensembles_score_is_its_heads_mean_and_their_spread_is_logged(tiny):
+    policy, tokenizer = tiny
+    prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
+    models = ScoringModels(TwoHeads(), ((100.0, -100.0), (50.0, 25.0)), reference=policy, sft=policy, gold=gold)
+    metrics = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=8).metrics
+    batch = generate_rollouts(policy, tokenizer, prompts.token_ids, SAMPLING, 9)
+    last = batch.attention_mask.shape[1] - 1 - batch.attention_mask.flip(1).argmax(1)
+    x = batch.input_ids.gather(1, last[:, None]).squeeze(1).float()
+    heads = torch.stack([(x - 100.0) / 50.0, (-x + 100.0) / 25.0], 1)  # each head by its own (mean, std)
+    assert metrics["eval/rm_score"] == pytest.approx(float(heads.mean(1).mean()))
+    assert metrics["eval/rm_score_std_ensemble"] == pytest.approx(float(heads.std(1).mean()))
 
 
 def test_chunks_do_not_change_the_answers_only_their_seeds_spans(tiny):

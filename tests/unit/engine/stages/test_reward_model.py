@@ -8,10 +8,20 @@ from conftest import RecordingSink, rm_inputs, small_config_tree
 from helpers.stage_ctx import make_ctx
 from rlflow.engine.data.batching import encode_pair
 from rlflow.engine.config.schema import build_config
-from rlflow.engine.data.records import load_preference_pairs
+from rlflow.engine.backend.runtime import OptimSpec, Runtime
+from rlflow.engine.config.execution import EngineConfig
+from rlflow.engine.data.records import load_preference_pairs, load_sft_examples
+from rlflow.engine.errors import ConfigError
 from rlflow.engine.tasksets.demo import gold_score, noisy_gold_labeller
 from rlflow.engine.models.loading import load_scalar_model, load_tokenizer, sequence_scores
-from rlflow.engine.stages.reward_model import bradley_terry_loss, run_reward_model_stage
+from rlflow.engine.stages.reward_model import (
+    _pair_rows,
+    accuracy_by_spread,
+    bradley_terry_loss,
+    rm_train_step,
+    run_reward_model_stage,
+    score_norm_from_metrics,
+)
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.stages.label_eval import PAIRS_EVAL_FILE, PAIRS_FILE, LabelStageInputs, run_label_stage
 
@@ -81,3 +91,60 @@ def encoded(tokenizer, prompt, answer):
     row = encode_pair(tokenizer, prompt, answer, 128)  # one row, unpadded: no batching involved
     ids = torch.tensor([row.prompt + row.response])
     return ids, torch.ones_like(ids)
+
+
+def test_pair_accuracy_split_by_the_ensembles_spread_by_hand():
+    margins = torch.tensor([1.0, -1.0, 2.0, 0.5, -0.5, 3.0, 0.0])
+    spread = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.7, 0.3, 0.5])
+    # Lowest spread: pairs 0, 2, 5 (all right); highest: 1, 4, 3 (one right); the median pair 6 in neither.
+    assert accuracy_by_spread(margins, spread) == (pytest.approx(1.0), pytest.approx(1 / 3))
+
+
+def test_an_ensembles_heads_train_on_their_own_resamples_and_are_normalised_each(trained, small_assets, tmp_path):
+    sft_dir = trained[0]
+    cfg = build_config(small_config_tree(small_assets, tmp_path, rm={"epochs": 1, "ensemble": 4}), "t")
+    outcome = run_reward_model_stage(make_ctx(tmp_path, "rm"), rm_inputs(cfg, sft_dir))
+    metrics = outcome.metrics
+    assert metrics["rm/heads"] == 4 and metrics["rm/accuracy"] >= 0.7
+    assert 0.0 <= metrics["rm/accuracy_std_bottom_half"] <= 1.0 and 0.0 <= metrics["rm/accuracy_std_top_half"] <= 1.0
+    model_dir = f"{outcome.checkpoint_uri}/model"
+    model = load_scalar_model(model_dir).eval()
+    head = model.score.weight.detach()
+    assert head.shape[0] == 4 and all(not torch.allclose(head[0], head[h]) for h in (1, 2, 3))
+    # Each head normalised by its own statistics: on the reference set (the first rm.norm_samples SFT
+    # rows) every head's normalised scores have mean 0 and std 1.
+    tokenizer = load_tokenizer(sft_dir, chat_template="none")
+    mean, std = score_norm_from_metrics(metrics)
+    assert len(mean) == len(std) == 4 and len(set(mean)) == 4
+    reference = load_sft_examples(cfg.data.sft)[: cfg.rm.norm_samples]
+    with torch.no_grad():
+        raw = torch.cat([sequence_scores(model, *encoded(tokenizer, ex.prompt, ex.response)) for ex in reference])
+    normalised = (raw - torch.tensor(mean)) / torch.tensor(std)
+    assert torch.allclose(normalised.mean(0), torch.zeros(4), atol=1e-3)
+    assert torch.allclose(normalised.std(0), torch.ones(4), atol=1e-3)
+    # A critic started from it (heads=1) scores the heads' mean, exactly (the head is linear).
+    averaged = load_scalar_model(model_dir, heads=1).eval()
+    ids, mask = encoded(tokenizer, reference[0].prompt, reference[0].response)
+    with torch.no_grad():
+        assert averaged.score.out_features == 1
+        assert torch.allclose(sequence_scores(averaged, ids, mask), sequence_scores(model, ids, mask).mean(1))
+    with pytest.raises(ConfigError, match="holds an ensemble of 4 score heads, not 3"):
+        load_scalar_model(model_dir, heads=3)
+
+
+def test_a_heads_loss_counts_each_pair_as_often_as_its_resample_draws_it(trained, small_assets, tmp_path):
+    sft_dir = trained[0]
+    tokenizer = load_tokenizer(sft_dir, chat_template="none")
+    rows = _pair_rows(tokenizer, list(load_preference_pairs(f"{small_assets}/data/preferences.jsonl")), 64)
+    runtime = Runtime(EngineConfig())
+    engine = runtime.trainable("model", lambda: load_scalar_model(sft_dir, heads=3), OptimSpec(1e-3, 0.0, 0, 10, 1.0))
+    engine.model.config.pad_token_id = tokenizer.pad_token_id
+    engine.train()
+    before = engine.model.score.weight.detach().clone()
+    weights = torch.ones(len(rows), 3)
+    weights[:, 1] = 0.0  # head 1's resample draws no pair: its loss is 0 and its head must not move
+    weights[:, 2] = 2.0
+    rm_train_step(engine, runtime, rows, weights, tokenizer.pad_token_id, 16, 1, make_ctx(tmp_path, "rm"))
+    after = engine.model.score.weight.detach()
+    assert torch.equal(after[1], before[1])
+    assert not torch.equal(after[0], before[0]) and not torch.equal(after[2], before[2])

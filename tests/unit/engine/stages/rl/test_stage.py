@@ -210,3 +210,30 @@ def test_single_pass_update_equals_scoring_then_updating(trained, small_assets, 
         assert single[key] == pytest.approx(split[key], rel=1e-4, abs=1e-6), key
     assert_weights_agree(actor_1, actor_2, 1e-5)
     assert_weights_agree(critic_1, critic_2, 1e-5)
+
+
+def test_an_ensemble_reward_is_penalised_by_its_spread_and_starts_a_one_head_critic(trained, small_assets, tmp_path):
+    from conftest import rm_inputs
+    from rlflow.engine.stages.reward_model import run_reward_model_stage, score_norm_from_metrics
+
+    sft_dir = trained[0]
+    sections = {"rm": {"epochs": 1, "ensemble": 3}, "ppo": {"steps": 1, "rollout_batch": 16, "mini_batch": 8}}
+    cfg = build_config(small_config_tree(small_assets, tmp_path, **sections), "t")
+    rm = run_reward_model_stage(make_ctx(tmp_path / "rm", "rm"), rm_inputs(cfg, sft_dir))
+    rm_dir, norm = f"{rm.checkpoint_uri}/model", score_norm_from_metrics(rm.metrics)
+    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)  # critic_init=rm: the heads' mean
+
+    def first_step(penalty):
+        sink = RecordingSink()
+        reward = cfg.reward.model_copy(update={"uncertainty_penalty": penalty})
+        ctx = make_ctx(tmp_path / f"ppo-{penalty}", "ppo", sink=sink)
+        run_ppo_stage(ctx, rl_inputs(cfg, inputs, boom_free_gold, reward=reward))
+        return {k: sink.series(k)[0][1] for k in ("reward/rm/mean", "critic/score_std_ensemble", "critic/vf_loss")}
+
+    plain, penalised = first_step(0.0), first_step(2.0)
+    # Step 1 samples the same answers either way: the mean reward differs by lambda x the mean spread.
+    assert plain["critic/score_std_ensemble"] == pytest.approx(penalised["critic/score_std_ensemble"])
+    assert plain["critic/score_std_ensemble"] > 0
+    expected = plain["reward/rm/mean"] - 2.0 * plain["critic/score_std_ensemble"]
+    assert penalised["reward/rm/mean"] == pytest.approx(expected, rel=1e-5)
+    assert math.isfinite(plain["critic/vf_loss"])
