@@ -178,6 +178,7 @@ def rl_stage(
             "reward_sources": [s.model_dump(mode="json") for s in c.reward.sources],
             "reward_overlong": [c.reward.overlong_buffer, c.reward.overlong_penalty],
             **({"uncertainty_penalty": c.reward.uncertainty_penalty} if c.reward.uncertainty_penalty else {}),
+            **({"hacking": c.hacking.model_dump(mode="json")} if c.hacking.enabled else {}),
             "eval": c.eval,
             "gold": c.gold,
             "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode],

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from rlflow.engine.config.base import FunctionRef, Section, function_ref
 from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.config.promotion import PromotionConfig
+from rlflow.engine.config.hacking import HackingConfig
 from rlflow.engine.config.execution import (
     AlertsConfig,
     CheckpointConfig,
@@ -150,6 +151,8 @@ class Config(Section):
     """A webhook called on a KL breach or a reward failure."""
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     """Gates a round's final policy must pass to be the champion the next round starts from."""
+    hacking: HackingConfig = Field(default_factory=HackingConfig)
+    """The reward-hacking detector of the RL stage: stop and roll back on a divergence (docs/hacking.md)."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """What the RL stage's reward is made of, and what happens when a source fails."""
     env: EnvConfig | None = None
@@ -192,6 +195,39 @@ class Config(Section):
         for refused, message in refusals:
             if refused:
                 raise ValueError(message)
+        return self
+
+    @model_validator(mode="after")
+    def _hacking_fits(self) -> Config:
+        h, sources = self.hacking, {s.name: s for s in self.reward.sources}
+        for key, name in (("judge", h.judge), ("valid", h.valid)):
+            if name is not None and name not in sources:
+                raise ValueError(f"hacking.{key}={name!r} is not a reward source; reward.sources has {sorted(sources)}")
+        if h.judge is not None and sources[h.judge].weight != 0:
+            raise ValueError(
+                f"hacking.judge={h.judge!r} has weight {sources[h.judge].weight}: a judge inside the reward is"
+                " optimised too, so it cannot tell the reward's gain from the task's; give it weight: 0"
+            )
+        if not h.enabled:
+            return self
+        checks = [
+            h.judge is not None and h.min_judge_drop is not None,
+            h.valid is not None and h.max_valid_drop is not None,
+            h.max_spread_ratio is not None and self.rm.ensemble > 1 and self.reward.learned,
+        ]
+        if not any(checks):
+            raise ValueError(
+                "hacking.enabled has nothing to watch: name a judge (hacking.judge, with min_judge_drop), a valid"
+                " rule (hacking.valid, with max_valid_drop) or, with rm.ensemble >= 2, set hacking.max_spread_ratio"
+            )
+        if self.checkpoint.every_steps > h.window:
+            raise ValueError(
+                f"hacking.window={h.window} is shorter than checkpoint.every_steps={self.checkpoint.every_steps}: a"
+                " round that diverges falls back to the last checkpoint before the diverged window, so one must"
+                f" precede every window; set checkpoint.every_steps to at most {h.window}"
+            )
+        if self.algorithm.name == "dpo":
+            raise ValueError("hacking.enabled watches RL steps' samples; algorithm.name=dpo samples none")
         return self
 
     @model_validator(mode="after")

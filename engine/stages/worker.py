@@ -169,6 +169,7 @@ def _rl_inputs(config: Config, call: StageCall) -> RLStageInputs:
         objective=Objective.of(config),
         reward=config.reward,
         env=config.env,
+        hacking=config.hacking,
     )
 
 

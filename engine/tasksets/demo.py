@@ -45,11 +45,19 @@ LEXICON_WORDS = tuple(sorted(LEXICON))
 MAX_GOOD_LENGTH = 14  # words; longer answers lose score linearly and reach 0 at 22
 
 
+def in_vocabulary(prompt: str, response: str, **fields: Any) -> float:
+    """The demo's declared format rule, 1.0 for an answer made of the task's words and 0.0 for one
+    with junk (a stray BPE fragment, what a hacked answer carries): the valid share the hacking
+    detector and the promotion gates read, which the gold's "valid" component reports too."""
+    words = response.split()
+    return float(bool(words) and all(w in VOCABULARY for w in words))
+
+
 def gold_score(prompt: str, response: str, **fields: Any) -> dict[str, float]:
     """Strict 0..1 gold rule. Returns the score and its components (logged as eval/gold/<name>)."""
     words = response.split()
     topic = next((t for t in TOPICS if f" {t} " in f" {prompt} "), None)
-    valid = bool(words) and all(w in VOCABULARY for w in words)
+    valid = in_vocabulary(prompt, response) == 1.0
     n = len(words)
     lexicon_fraction = sum(w in LEXICON for w in words) / n if n else 0.0
     length_factor = min(1.0, n / 4) if n <= MAX_GOOD_LENGTH else max(0.0, 1 - (n - MAX_GOOD_LENGTH) / 8)

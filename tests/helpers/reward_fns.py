@@ -44,3 +44,9 @@ def answer_only(prompt, response, answer):
 def constant_rule(prompt, response, **fields):
     """Scores every answer alike: a fallback rule whose scores have no spread (test_breaker.py)."""
     return {"score": 0.5}
+
+
+def valid_until_marker(prompt, response, marker="", **fields):
+    """A 'valid rule' that holds until the file `marker` exists (a test's sink creates it at a chosen
+    step): every answer valid before, none after, a scripted collapse of the valid share."""
+    return 0.0 if os.path.exists(marker) else 1.0

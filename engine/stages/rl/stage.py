@@ -9,7 +9,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.engine.config.schema import DataConfig
@@ -22,6 +22,8 @@ from rlflow.engine.config.sampling import SamplingConfig
 from rlflow.engine.config.methods import RewardConfig
 from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.config.env import EnvConfig
+from rlflow.engine.config.hacking import HackingConfig
+from rlflow.engine.promotion.hacking import DetectorLimits, candidate_step, detect_divergence, window_changes
 from rlflow.engine.data.records import load_prompts
 from rlflow.engine.stages.evaluation import PromptSet, encode_prompt_set
 from rlflow.engine.rewards.model_scores import ScoreNorm, ScoringModels
@@ -78,6 +80,8 @@ class PPOLoopState:
     best: float | None = None  # checkpoint.keep_best's metric at its best evaluated step
     best_step: int | None = None
     stopped_by_kl: bool = False  # kl.stop_above ended the round's RL
+    hacking_history: list[list[float | None]] = field(default_factory=list)  # [step, proxy, judge, valid, spread]
+    hacking_window_start: int | None = None  # the detector stopped the RL: the diverged window's first step
 
 
 def load_ppo_models(
@@ -155,6 +159,7 @@ class RLStageInputs:
     guards: PPOGuards = PPOGuards()  # the KL breaker and reward-failure settings, with an operator's overrides
     reward: RewardConfig = RewardConfig()  # reward.*: the reward sources and their worker pool
     env: EnvConfig | None = None  # env.*: each prompt an episode of this environment (multi-turn, tools)
+    hacking: HackingConfig = HackingConfig()  # hacking.*: the reward-hacking detector
 
 
 @training_stage
@@ -199,12 +204,28 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
             service.close()
         if pool is not None:
             pool.close()
+    if run.state.hacking_window_start is not None:  # the detector stopped it: roll back
+        candidate, summary = _hacking_candidate(ctx, run.state, step)
+        return finish(ctx, candidate, summary | run.safety.summary(), resume, changed)
     if "eval/gold_score" not in run.metrics:  # resumed exactly at the last step: evaluate its policy
         evaluation = run.evaluate()
         run.metrics.update(evaluation.metrics)
         ctx.sink.log_table("eval_samples.json", evaluation.samples)
     summary = _summary(run.metrics, step, run.state) | run.safety.summary() | guard.early_stop_metrics()
     return finish(ctx, step, summary, resume, changed)
+
+
+def _hacking_candidate(ctx: StageContext, state: PPOLoopState, step: int) -> tuple[int, dict[str, float]]:
+    """The stage's output after a divergence: the last committed step before the diverged window,
+    or, when none precedes it, the step the detector stopped at (the promotion gates judge it)."""
+    window_start = state.hacking_window_start
+    candidate = candidate_step(ctx.store.committed_steps(), window_start)
+    if candidate is None:
+        log.warning("%s: no checkpoint precedes the diverged window (steps %d-%d); the candidate is step %d",
+                    ctx.label, window_start, step, step)
+        candidate = step
+    summary = {"ppo/steps": candidate, "ppo/stopped_by_kl": float(state.stopped_by_kl), "hacking/diverged": 1.0}
+    return candidate, summary | {"hacking/stopped_at": step, "hacking/window_start": window_start}
 
 
 def _start_rollout_service(
@@ -254,6 +275,7 @@ class PPORun:
     ):
         self.ctx, self.models, self.cfg, self.eval_cfg = ctx, models, inputs.ppo, inputs.eval
         self.checkpoint, self.kl, self.objective = inputs.checkpoint, inputs.kl, inputs.objective
+        self.hacking = inputs.hacking
         self.generate_batch = inputs.rollout.generate_batch
         self.eval_sampling = inputs.sampling.params(greedy=inputs.eval.greedy)
         (self.prompts, self.eval_prompts), self.resume, self.changed = prompt_sets, start.resume, start.changed
@@ -272,7 +294,23 @@ class PPORun:
         return tuple(trained_engines(self.models).values())
 
     def more(self, step: int) -> bool:
-        return step < self.cfg.steps and not self.state.stopped_by_kl
+        state = self.state
+        return step < self.cfg.steps and not state.stopped_by_kl and state.hacking_window_start is None
+
+    def watch_hacking(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Record this step's signals, return hacking/*; on a divergence mark the window it began."""
+        h, state = self.hacking, self.state
+        signal = lambda name: None if name is None else metrics.get(f"reward/{name}/mean")  # noqa: E731
+        row = [step, metrics.get("critic/score/mean"), signal(h.judge), signal(h.valid)]
+        state.hacking_history.append(row + [metrics.get("critic/score_std_ensemble")])
+        limits = DetectorLimits(h.window, h.min_judge_drop, h.max_valid_drop, h.max_spread_ratio)
+        divergence = detect_divergence(state.hacking_history, limits)
+        out = window_changes(state.hacking_history, h.window) | {"hacking/diverged": float(divergence is not None)}
+        if divergence is not None:
+            state.hacking_window_start = divergence.window_start
+            where = f"the candidate is the last checkpoint before step {divergence.window_start}"
+            log.warning("%s: %s; %s", self.ctx.label, divergence.message, where)
+        return out
 
     def update(self, step: int) -> dict[str, float] | Breach:
         """One RL step's rollout, scoring and updates. A reward failure is raised before any update,
@@ -302,8 +340,10 @@ class PPORun:
         stop = self.kl.stop_above
         state.stopped_by_kl = stop is not None and metrics["actor/kl"] > stop
         metrics["actor/stopped_by_kl"] = float(state.stopped_by_kl)
+        if self.hacking.enabled:
+            metrics |= self.watch_hacking(step, metrics)
         breach = self.safety.observe(step, metrics, state.stopped_by_kl)
-        last = step >= cfg.steps or state.stopped_by_kl
+        last = step >= cfg.steps or state.stopped_by_kl or state.hacking_window_start is not None
         if breach is None and (step % self.eval_cfg.every_steps == 0 or last):
             evaluation = self.evaluate()
             metrics.update(evaluation.metrics)
@@ -316,7 +356,12 @@ class PPORun:
 
     def commit(self, at: int, whole: bool, last: bool = False, breach: Breach | None = None) -> str:
         guards = self.safety.state_dict(breach)
-        url = _commit(self.ctx, self.models, self.controller, self.state, guards, at, self.cfg.rollout_batch, whole)
+        recent: set[int] = set()
+        if self.hacking.enabled:  # a rollback target: whole, and kept while a later window can still diverge
+            whole, reach = True, self.hacking.window + self.ctx.every_steps
+            recent = {s for s in self.ctx.store.committed_steps() if s >= at - reach}
+        state, batch = self.state, self.cfg.rollout_batch
+        url = _commit(self.ctx, self.models, self.controller, state, guards, at, batch, whole, recent)
         self.committed = at
         return url
 
@@ -339,8 +384,10 @@ def _commit(
     step: int,
     rollout_batch: int,
     whole: bool,
+    protect: set[int] = frozenset(),
 ) -> str:
-    """Commit a PPO step: actor and critic, KL controller, loop state and the guards' state."""
+    """Commit a PPO step: actor and critic, KL controller, loop state and the guards' state;
+    `protect`: older steps pruning must keep (besides keep_best's)."""
     engines = {"model": (models.actor, models.tokenizer)}
     if models.critic is not None:
         engines["critic"] = (models.critic, None)
@@ -358,7 +405,7 @@ def _commit(
             "data_position": {"prompts_seen": step * rollout_batch},
         },
         whole,
-        protect={state.best_step} if state.best_step else set(),
+        protect=({state.best_step} if state.best_step else set()) | set(protect),
         files=files,
     )
 

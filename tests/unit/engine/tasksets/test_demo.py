@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rlflow.engine.tasksets.demo import gold_score, make_demo_assets, noisy_gold_labeller
+from rlflow.engine.tasksets.demo import gold_score, in_vocabulary, make_demo_assets, noisy_gold_labeller
 
 
 def test_gold_rule_by_hand():
@@ -16,6 +16,9 @@ def test_gold_rule_by_hand():
     # A word outside the vocabulary (a BPE fragment) makes the answer junk: 0.
     junk = gold_score(prompt, "the river is calm and qui et bright")
     assert junk["score"] == 0.0 and junk["valid"] == 0.0
+    # The declared format rule says the same, without the gold: junk and empty answers are invalid.
+    assert in_vocabulary(prompt, "the river is calm and qui et bright") == 0.0 and in_vocabulary(prompt, "") == 0.0
+    assert in_vocabulary(prompt, "the city is calm and quiet and bright") == 1.0  # off topic, still valid
     # 18 words: 4 over the limit of 14 -> length factor 1 - 4/8.
     long = "the river " + " ".join(["calm"] * 16)
     parts = gold_score(prompt, long)
