@@ -144,13 +144,20 @@ def run_round(
         "eval",
         r,
         {"eval": c.eval, "gold": c.gold, "sampling": c.sampling, "model": model_section_of(c)}
-        | ({"env": c.env.model_dump(mode="json", exclude={"tool_workers"})} if c.env is not None else {}),
+        | ({"env": c.env.model_dump(mode="json", exclude={"tool_workers"})} if c.env is not None else {})
+        | ({"valid_rule": _valid_rule_of(c)} if c.reward.valid is not None else {}),
         {k: _input_id(v) for k, v in upstream + (("final", final),)},
         ("eval_prompts",),
     )
     inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft), "final": final.checkpoint_uri}
     evaluation = run_stage(eval_task, c, eval_spec, inputs, rm)
     return final, sft, rm, _summary_row(r, rm, evaluation)
+
+
+def _valid_rule_of(c: Config) -> dict[str, Any]:
+    """The declared valid rule (reward.valid) as the evaluation's identity sees it: its definition."""
+    source = next(s for s in c.reward.sources if s.name == c.reward.valid)
+    return source.model_dump(mode="json", exclude={"weight", "name"})
 
 
 def rl_stage(
@@ -178,6 +185,7 @@ def rl_stage(
             "reward_sources": [s.model_dump(mode="json") for s in c.reward.sources],
             "reward_overlong": [c.reward.overlong_buffer, c.reward.overlong_penalty],
             **({"uncertainty_penalty": c.reward.uncertainty_penalty} if c.reward.uncertainty_penalty else {}),
+            **({"valid_rule": c.reward.valid} if c.reward.valid is not None else {}),
             **({"hacking": c.hacking.model_dump(mode="json")} if c.hacking.enabled else {}),
             "eval": c.eval,
             "gold": c.gold,

@@ -14,16 +14,14 @@ class HackingConfig(Section):
     judge: str | None = None
     """The name of the independent judge: a reward.sources entry of weight 0 (it never enters the
     reward); its mean per step is compared with the proxy reward's."""
-    valid: str | None = None
-    """The name of the declared valid rule: a reward.sources entry scoring 1 for a valid answer and
-    0 otherwise; its share per step is compared with the first window's."""
     window: int = Field(5, ge=1)
     """Steps per window: the first window is the baseline, the last is compared with it (from step
     2 x window on). checkpoint.every_steps must not exceed it, so a checkpoint precedes every window."""
     min_judge_drop: float | None = Field(0.0, ge=0)
     """Diverged when the proxy rose while the judge's window mean fell more than this; None: off."""
     max_valid_drop: float | None = Field(0.1, ge=0)
-    """Diverged when the valid share's window mean fell more than this below the baseline's; None: off."""
+    """Diverged when the valid share (of reward.valid, the declared valid rule) fell more than this
+    below the baseline window's; None: off."""
     max_spread_ratio: float | None = Field(None, gt=1)
     """Diverged when the ensemble's spread (critic/score_std_ensemble, rm.ensemble >= 2) grew above
     this many times the baseline's; None: off."""

@@ -150,6 +150,11 @@ class RewardConfig(Section):
     tokens loses overlong_penalty x its excess / overlong_buffer (the whole penalty at the limit); None: off."""
     overlong_penalty: float = Field(1.0, gt=0)
     """The overlong penalty of an answer that reaches sampling.max_new_tokens, in reward units."""
+    valid: str | None = None
+    """The declared valid rule: the name of a reward source that scores 1 for a valid answer and 0
+    otherwise (weight 0 keeps it out of the reward). The evaluations' eval/valid_fraction, which the
+    promotion gates read, and the hacking detector's valid share come from it; None: the gold's
+    "valid" component (or a positive gold score)."""
     uncertainty_penalty: float = Field(0.0, ge=0)
     """λ of an ensemble reward model's reward, mean - λ x std over its heads (rm.ensemble >= 2):
     answers the heads disagree on, where the reward model is least trustworthy, earn less."""
@@ -172,6 +177,10 @@ class RewardConfig(Section):
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"reward.sources names must be unique, got {names}")
+        if self.valid is not None and self.valid not in names:
+            raise ValueError(f"reward.valid={self.valid!r} is not a reward source; reward.sources has {sorted(names)}")
+        if self.valid is not None and next(s for s in self.sources if s.name == self.valid).type == "model":
+            raise ValueError(f"reward.valid={self.valid!r} is a reward model; a valid rule is a rule or a function")
         return self
 
     @property

@@ -30,6 +30,7 @@ class ScoringModels:
     reference: torch.nn.Module  # PPO's KL anchor
     sft: torch.nn.Module  # the SFT policy, for eval/kl_to_sft
     gold: Callable[..., Any]
+    valid: Callable[..., float] | None = None  # reward.valid: (prompt, response, **fields) -> 1 or 0; None: gold
 
 
 def normalised_head_scores(

@@ -198,6 +198,17 @@ class RewardSource:
         return (torch.tensor(raw, dtype=scores.dtype) - self.fallback.mean) / self.fallback.std
 
 
+def declared_valid_rule(reward: RewardConfig) -> Callable[..., float] | None:
+    """reward.valid's scorer as `(prompt, response, **fields) -> float` (None: none declared), built
+    as the pool builds it, for the evaluations to call in process."""
+    from rlflow.engine.rewards.pool_worker import build_scorer, source_spec
+
+    if reward.valid is None:
+        return None
+    scorer = build_scorer(source_spec(next(s for s in reward.sources if s.name == reward.valid), reward.on_error))
+    return lambda prompt, response, **fields: scorer(prompt, response, fields)
+
+
 def start_reward_pool(reward: RewardConfig) -> RewardFunctionPool | None:
     """The worker pool of the rule and function sources (None without any): each is checked
     (imports, arguments) before any step runs."""

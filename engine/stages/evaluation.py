@@ -73,7 +73,8 @@ def evaluate_policy(
     Metrics: eval/gold_score (+ _stderr and eval/gold/<component>), eval/rm_score (an ensemble's
     mean; its heads' std: eval/rm_score_std_ensemble), eval/kl and
     eval/kl_to_sft (token-mean k3 estimate on the sampled tokens), eval/response_length (tokens),
-    eval/distinct_2 (pooled over all answers' words), eval/valid_fraction. With `episodes` each
+    eval/distinct_2 (pooled over all answers' words), eval/valid_fraction (by the declared valid
+    rule, models.valid, else the gold's "valid" component). With `episodes` each
     prompt is an episode, scored on its final answer, and eval/env/* counts its turns and tool calls
     (the KL and length are over the model's tokens of every turn).
     """
@@ -111,11 +112,12 @@ def evaluate_policy(
     texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
     rm, rm_std, kl_ref, kl_sft, lengths = ([table[:, i]] for i in range(5))
     records = prompts.records
-    gold = _gold_scores(models.gold, records, texts)
+    gold, declared = _gold_scores(models.gold, records, texts, models.valid)
     n = len(gold.scores)
     mean, stderr = mean_and_stderr(gold.scores)
-    # the gold's own "valid" component where it has one, else a positive score counts as valid
-    valid = [float(v) for v in gold.components.get("valid", [s > 0 for s in gold.scores])]
+    # The declared valid rule (reward.valid) where there is one, else the gold's own "valid"
+    # component, else a positive gold score counts as valid.
+    valid = declared or [float(v) for v in gold.components.get("valid", [s > 0 for s in gold.scores])]
     metrics = {
         "eval/gold_score": mean,
         "eval/gold_score_stderr": stderr,
@@ -165,12 +167,17 @@ def _tool_use_metrics(played: list[dict[str, Any]], scores: Sequence[float]) -> 
     return metrics
 
 
-def _gold_scores(gold: Any, records: Sequence[PromptRecord], texts: list[str]) -> GoldScores:
-    """Rank 0 alone calls the gold function (it may be an external judge, slow or not deterministic);
-    every rank gets its result, so decisions taken from it (keep_best, checkpoints) agree."""
+def _gold_scores(
+    gold: Any, records: Sequence[PromptRecord], texts: list[str], valid_rule: Any = None
+) -> tuple[GoldScores, list[float] | None]:
+    """Rank 0 alone calls the gold function (it may be an external judge, slow or not deterministic)
+    and the declared valid rule; every rank gets their results, so decisions taken from them
+    (keep_best, checkpoints) agree. Returns the gold's scores and the rule's (None: no rule)."""
     local = None
     if dist.is_main():
-        scored = score_answers(gold, [r.prompt for r in records], texts, [r.fields for r in records])
-        local = {"scores": scored.scores, "components": scored.components}
+        prompts, fields = [r.prompt for r in records], [r.fields for r in records]
+        scored = score_answers(gold, prompts, texts, fields)
+        declared = None if valid_rule is None else score_answers(valid_rule, prompts, texts, fields).scores
+        local = {"scores": scored.scores, "components": scored.components, "valid": declared}
     shared = dist.all_gather_json(local)[0] if dist.is_distributed() else local
-    return GoldScores(shared["scores"], shared["components"])
+    return GoldScores(shared["scores"], shared["components"]), shared["valid"]

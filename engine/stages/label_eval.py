@@ -145,6 +145,7 @@ class EvalStageInputs:
     sampling: SamplingParams  # eval.sampling(ppo): greedy with eval.greedy
     gold: Callable[..., Any]  # gold.fn, bound to its kwargs
     env: EnvConfig | None = None  # env.*: each prompt is an episode of this environment, scored on its answer
+    valid: Callable[..., float] | None = None  # reward.valid's rule (eval/valid_fraction); None: the gold's
 
 
 def paired_metrics(before: PolicyEvaluation, after: PolicyEvaluation) -> dict[str, float]:
@@ -177,6 +178,7 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
         reference=reference,
         sft=reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval(),
         gold=gold,
+        valid=stage_inputs.valid,
     )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
     prompts, _, _ = encode_prompt_set(

@@ -160,12 +160,13 @@ def test_an_ensemble_and_its_penalty_enter_the_identities_and_one_head_keeps_the
     )
     assert penalised.identity != base.identity and penalised.identity_tree["config"]["uncertainty_penalty"] == 10.0
     valid = {"name": "valid", "type": "format", "weight": 0, "kwargs": {"kind": "nonempty"}}
-    sources = {"sources": [{"name": "rm", "type": "model"}, valid]}
+    sources = {"sources": [{"name": "rm", "type": "model"}, valid], "valid": "valid"}
     with_rule = ppo_identity(small_assets, tmp_path / "e", monkeypatch, reward=sources)
     assert "hacking" not in with_rule.identity_tree["config"]  # off: the identity of a run without it
+    assert with_rule.identity_tree["config"]["valid_rule"] == "valid"
     watched = ppo_identity(
         small_assets, tmp_path / "f", monkeypatch, reward=sources, checkpoint={"every_steps": 5},
-        hacking={"enabled": True, "valid": "valid"},
+        hacking={"enabled": True},
     )
     assert watched.identity != with_rule.identity and watched.identity_tree["config"]["hacking"]["window"] == 5
 

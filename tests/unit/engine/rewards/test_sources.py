@@ -16,6 +16,7 @@ from rlflow.engine.rewards.sources import (
     LearnedSource,
     RewardSource,
     build_reward_source,
+    declared_valid_rule,
     start_reward_pool,
 )
 from rlflow.engine.rollout.generate import RolloutBatch
@@ -155,3 +156,11 @@ def test_an_ensemble_source_is_rewarded_its_heads_mean_less_the_penalty_and_logs
     plain = build_reward_source(RewardConfig(), _scoring(LastTokenScorer()), None, None, None, None)
     plain.final_scores(plain.model_scores(BATCH, rows=3, step=1), RECORDS, ["a", "b", "c"])
     assert "critic/score_std_ensemble" not in plain.metrics  # one head: no spread to log
+
+
+def test_the_declared_valid_rule_is_built_as_the_pool_builds_its_source():
+    valid = RewardSourceConfig(name="valid", type="format", weight=0.0, kwargs={"kind": "number"})
+    reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model"), valid], valid="valid")
+    rule = declared_valid_rule(reward)
+    assert [rule("p", r) for r in ("42", "forty-two", " 3.5 ")] == [1.0, 0.0, 1.0]
+    assert declared_valid_rule(RewardConfig()) is None

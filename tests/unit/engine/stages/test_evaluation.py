@@ -115,3 +115,20 @@ def test_without_a_reward_model_there_is_no_rm_score_and_kl_to_another_policy_is
     metrics, rows = evaluation.metrics, evaluation.samples
     assert "eval/rm_score" not in metrics and rows[0]["rm_score"] is None
     assert metrics["eval/kl"] == pytest.approx(0.0, abs=1e-6) and metrics["eval/kl_to_sft"] > 1e-4
+
+
+def test_a_declared_valid_rule_replaces_the_golds_valid_component(tiny):
+    policy, tokenizer = tiny
+    prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
+    calls = []
+
+    def longer_than_three(prompt, response, bonus):  # the prompt row's fields come too
+        calls.append(bonus)
+        return float(len(response) > 3)
+
+    models = ScoringModels(None, None, reference=policy, sft=policy, gold=gold, valid=longer_than_three)
+    evaluation = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=8)
+    texts = list(generate_rollouts(policy, tokenizer, prompts.token_ids, SAMPLING, 9).response_texts)
+    assert evaluation.valid == tuple(float(len(t) > 3) for t in texts) and calls == [0, 1, 2, 3]
+    assert evaluation.metrics["eval/valid_fraction"] == sum(len(t) > 3 for t in texts) / 4
+    assert evaluation.metrics["eval/gold/valid"] == sum(bool(t.strip()) for t in texts) / 4  # the gold's, still logged

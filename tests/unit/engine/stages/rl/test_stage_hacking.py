@@ -39,8 +39,8 @@ def test_a_collapsing_valid_share_stops_the_round_at_the_checkpoint_before_the_w
         "ppo": {"steps": 12, "rollout_batch": 16, "mini_batch": 8},
         "kl": {"stop_above": None},
         "checkpoint": {"every_steps": 2, "keep_last": 1},
-        "reward": {"sources": [{"name": "rm", "type": "model"}, valid_rule], "workers": 1},
-        "hacking": {"enabled": True, "valid": "valid", "window": 3, "max_valid_drop": 0.1},
+        "reward": {"sources": [{"name": "rm", "type": "model"}, valid_rule], "workers": 1, "valid": "valid"},
+        "hacking": {"enabled": True, "window": 3, "max_valid_drop": 0.1},
     }
     cfg = build_config(small_config_tree(small_assets, tmp_path, **sections), "t")
     inputs = rl_inputs(cfg, PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir), zero_gold,
