@@ -21,7 +21,9 @@ class CheckpointConfig(Section):
     """Every n-th checkpoint (and a stage's last) also holds whole HF model directories; the others
     hold only per-rank optimizer shards with fp32 master weights (a 70B policy is 140 GB each time)."""
     keep_best: str | None = None
-    """A metric of PPO's evaluations, e.g. "eval/rm_score": the best evaluated step is never pruned."""
+    """A metric of PPO's evaluations, e.g. "eval/rm_score" or a judge's "reward/judge/mean": the best
+    evaluated step is never pruned (and is the hacking detector's rollback target when it precedes
+    the diverged window)."""
     keep_best_mode: Literal["max", "min"] = "max"
     """Whether keep_best's best is its max or its min ("min" for losses and KL)."""
     mirror: str | None = None

@@ -218,10 +218,13 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
 
 
 def _hacking_candidate(ctx: StageContext, state: PPOLoopState, step: int) -> tuple[int, dict[str, float]]:
-    """The stage's output after a divergence: the last committed step before the diverged window,
-    or, when none precedes it, the step the detector stopped at (the promotion gates judge it)."""
+    """The stage's output after a divergence: checkpoint.keep_best's best step (e.g. on the judge)
+    when it precedes the diverged window, else the last committed step before it, or, when none
+    precedes it, the step the detector stopped at (the promotion gates judge it)."""
     window_start = state.hacking_window_start
     candidate = candidate_step(ctx.store.committed_steps(), window_start)
+    if state.best_step is not None and state.best_step < window_start:  # kept whole and unpruned
+        candidate = state.best_step
     if candidate is None:
         log.warning("%s: no checkpoint precedes the diverged window (steps %d-%d); the candidate is step %d",
                     ctx.label, window_start, step, step)

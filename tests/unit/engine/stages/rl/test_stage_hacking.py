@@ -30,7 +30,8 @@ def zero_gold(prompt, response, **fields):
     return 0.0
 
 
-def test_a_collapsing_valid_share_stops_the_round_at_the_checkpoint_before_the_window(trained, small_assets, tmp_path):
+def collapse_at_step_7(trained, small_assets, tmp_path, **sections):
+    """The RL stage with the valid rule scripted to fail from step 7 on: (inputs, sink, outcome)."""
     sft_dir, rm_dir, norm = trained
     marker = str(tmp_path / "collapse")
     valid_rule = {"name": "valid", "type": "function", "fn": "helpers.reward_fns:valid_until_marker",
@@ -38,15 +39,19 @@ def test_a_collapsing_valid_share_stops_the_round_at_the_checkpoint_before_the_w
     sections = {
         "ppo": {"steps": 12, "rollout_batch": 16, "mini_batch": 8},
         "kl": {"stop_above": None},
-        "checkpoint": {"every_steps": 2, "keep_last": 1},
         "reward": {"sources": [{"name": "rm", "type": "model"}, valid_rule], "workers": 1, "valid": "valid"},
         "hacking": {"enabled": True, "window": 3, "max_valid_drop": 0.1},
-    }
+    } | sections
     cfg = build_config(small_config_tree(small_assets, tmp_path, **sections), "t")
     inputs = rl_inputs(cfg, PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir), zero_gold,
-                       reward=cfg.reward, hacking=cfg.hacking, checkpoint=cfg.checkpoint)
+                       reward=cfg.reward, hacking=cfg.hacking, checkpoint=cfg.checkpoint, eval=cfg.eval)
     sink = MarkerSink(marker, at=6)
-    outcome = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink, every=2, keep_last=1), inputs)
+    return inputs, sink, run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink, every=2, keep_last=1), inputs)
+
+
+def test_a_collapsing_valid_share_stops_the_round_at_the_checkpoint_before_the_window(trained, small_assets, tmp_path):
+    checkpoint = {"every_steps": 2, "keep_last": 1}
+    inputs, sink, outcome = collapse_at_step_7(trained, small_assets, tmp_path, checkpoint=checkpoint)
     # Steps 1-6 all valid; step 7's window (5-7) averages 2/3, a drop of 1/3 > 0.1: stop at 7. The
     # window starts at step 5, so the candidate is step 4 (committed every 2 steps), not 6.
     assert [s for s, _ in sink.series("actor/pg_loss")] == list(range(1, 8))
@@ -64,3 +69,14 @@ def test_a_collapsing_valid_share_stops_the_round_at_the_checkpoint_before_the_w
     again = RecordingSink()
     resumed = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=again, every=2, keep_last=1), inputs)
     assert resumed.step == 4 and resumed.resumed_from == 7 and again.series("actor/pg_loss") == []
+
+
+def test_keep_best_on_the_judge_is_the_rollback_target_when_it_precedes_the_window(trained, small_assets, tmp_path):
+    checkpoint = {"every_steps": 2, "keep_last": 1, "keep_best": "reward/valid/mean"}
+    _, sink, outcome = collapse_at_step_7(trained, small_assets, tmp_path, checkpoint=checkpoint,
+                                          eval={"every_steps": 3, "num_prompts": 16, "batch_size": 16})
+    # Evaluated at steps 3 and 6 (valid share 1.0 both: the first stays best) and 7: step 3 is kept
+    # whole and, preceding the window (5-7), it is the candidate rather than step 4.
+    assert [s for s, _ in sink.series("eval/gold_score")] == [3, 6, 7]
+    assert outcome.step == 3 and outcome.metrics["hacking/window_start"] == 5
+    assert os.path.isfile(f"{outcome.checkpoint_uri}/model/config.json")
