@@ -26,7 +26,8 @@ import torch
 from rlflow.engine.backend.runtime import OptimSpec, Runtime
 from rlflow.engine.data.batching import bootstrap_weights, encode_pair
 from rlflow.engine.data.records import load_preference_pairs, load_prompts, load_sft_examples
-from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer, sequence_scores
+from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer
+from rlflow.engine.rewards.model_scores import normalised_head_scores
 from rlflow.engine.rewards.user_functions import load_bound_function, score_answers
 from rlflow.engine.rollout.generate import generate_rollouts
 from rlflow.engine.seeds import step_seed
@@ -121,11 +122,8 @@ def main() -> None:
     scored = score_answers(gold, [r.prompt for r in prompts.records], texts, [r.fields for r in prompts.records])
     valid = torch.tensor([float(v) for v in scored.components["valid"]])
 
-    def normalised(model) -> torch.Tensor:
-        mean, std = (torch.as_tensor(x, dtype=torch.float32) for x in score_statistics(model, reference, pad))
-        with torch.no_grad():
-            raw = sequence_scores(model, batch.input_ids, batch.attention_mask)
-        return ((raw if raw.dim() == 2 else raw[:, None]) - mean) / std
+    def normalised(model) -> torch.Tensor:  # [N, H], each head by its own reference statistics
+        return normalised_head_scores(model, batch, score_statistics(model, reference, pad))
 
     rm = load_scalar_model(rm_dir).eval()
     heads = normalised(rm)

@@ -277,20 +277,21 @@ def _load_scalar_dir(cls, path: str, key: str, config: Any, dtype, trust_remote_
 
 def _average_heads(model: nn.Module) -> None:
     """Replace an ensemble's H score heads by one whose output is their mean (linear: exact)."""
-    for name in SCALAR_HEAD_NAMES:
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Linear):
-            mean = nn.Linear(head.in_features, 1, bias=head.bias is not None, dtype=head.weight.dtype)
-            with torch.no_grad():
-                mean.weight.copy_(head.weight.mean(0, keepdim=True))
-                if head.bias is not None:
-                    mean.bias.copy_(head.bias.mean(0, keepdim=True))
-            setattr(model, name, mean.to(head.weight.device))
-            model.config.num_labels = 1
-            if hasattr(model.config, SCORE_HEADS):
-                delattr(model.config, SCORE_HEADS)
-            return
-    raise ConfigError(f"{type(model).__name__} has no linear 'score' head to average")
+    from rlflow.engine.models.lora import scalar_head_name
+
+    name = scalar_head_name(model)
+    if name is None:
+        raise ConfigError(f"{type(model).__name__} has no linear 'score' head to average")
+    head = getattr(model, name)
+    mean = nn.Linear(head.in_features, 1, bias=head.bias is not None, dtype=head.weight.dtype)
+    with torch.no_grad():
+        mean.weight.copy_(head.weight.mean(0, keepdim=True))
+        if head.bias is not None:
+            mean.bias.copy_(head.bias.mean(0, keepdim=True))
+    setattr(model, name, mean.to(head.weight.device))
+    model.config.num_labels = 1
+    if hasattr(model.config, SCORE_HEADS):
+        delattr(model.config, SCORE_HEADS)
 
 
 def scalar_head(model: nn.Module) -> nn.Linear:
@@ -368,6 +369,11 @@ def _per_token_values(
 def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-token scalar head outputs [B, T] (the critic: GAE needs a value at every token)."""
     return model(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def head_columns(scores: torch.Tensor) -> torch.Tensor:
+    """Scores as [B, H] columns, one per score head: a one-head model's [B] becomes [B, 1]."""
+    return scores if scores.dim() == 2 else scores[:, None]
 
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlflow.engine.models.loading import head_columns
 from rlflow.engine.rollout.generate import RolloutBatch, batched_scores
 
 # (mean, std) of raw scores on the fixed reference set: floats for one head, one per head for an ensemble.
@@ -38,8 +39,7 @@ def normalised_head_scores(
 ) -> torch.Tensor:
     """[B, H] scores, head h normalised by (mean_h, std_h); H = 1 for a one-head reward model."""
     mean, std = (torch.as_tensor(x, dtype=torch.float32) for x in score_norm)
-    raw = batched_scores(reward_model, batch, chunk)
-    return ((raw if raw.dim() == 2 else raw[:, None]) - mean) / std
+    return (head_columns(batched_scores(reward_model, batch, chunk)) - mean) / std
 
 
 def ensemble_mean_std(head_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

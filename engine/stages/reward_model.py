@@ -25,7 +25,13 @@ from rlflow.engine.config.schema import DataConfig
 from rlflow.engine.config.stages import RewardModelConfig
 from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.data.records import PreferencePair, load_preference_pairs, load_sft_examples
-from rlflow.engine.models.loading import load_scalar_model, load_tokenizer, model_kwargs, sequence_scores
+from rlflow.engine.models.loading import (
+    head_columns,
+    load_scalar_model,
+    load_tokenizer,
+    model_kwargs,
+    sequence_scores,
+)
 from rlflow.engine.rewards.model_scores import ScoreNorm, ensemble_mean_std
 from rlflow.engine.errors import DataError
 from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
@@ -72,7 +78,7 @@ def _score_pairs(model, rows, pad_id: int, packed: bool = False) -> tuple[torch.
         scores = values[0, batch.ends.to(values.device)]
     else:
         scores = sequence_scores(model, *right_pad(sequences, pad_id)[:2])
-    scores = scores if scores.dim() == 2 else scores[:, None]
+    scores = head_columns(scores)
     return scores[: len(rows)], scores[len(rows) :]
 
 
@@ -124,8 +130,7 @@ def score_statistics(model, rows: list[PromptResponseIds], pad_id: int, batch_si
     model.eval()
     parts = []  # [2, H] per pass: sum, sum of squares (0 for a pass that only keeps the ranks in step)
     for chunk, counts in _rank_passes(rows, batch_size):
-        scores = sequence_scores(model, *right_pad(chunk, pad_id)[:2]).double().cpu()
-        scores = scores if scores.dim() == 2 else scores[:, None]
+        scores = head_columns(sequence_scores(model, *right_pad(chunk, pad_id)[:2]).double().cpu())
         parts.append(torch.stack([scores.sum(0), (scores**2).sum(0)]) * float(counts))
     model.train()
     total, n = dist.all_reduce_sum(torch.stack(parts).sum(0)), len(rows)
