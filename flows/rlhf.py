@@ -178,9 +178,10 @@ def run_rounds(
     labels: list[StageResult] = []
     rows: list[dict[str, Any]] = []
     champion: str | None = None  # the registered version promoted last
+    rejected: StageResult | None = None  # the last round's candidate, if the gates rejected it
     for r in range(cfg.run.rounds):
         started = time.monotonic()
-        final, sft, rm, row = run_round(cfg, planner, r, policy, sft, labels)
+        final, sft, rm, row = run_round(cfg, planner, r, policy, sft, labels, rejected)
         # What the round's RL (or DPO) started from, and what its gates compared the candidate with.
         start = sft if r in cfg.sft.rounds else policy
         row |= {"seconds": round(time.monotonic() - started, 1)}
@@ -202,6 +203,7 @@ def run_rounds(
             row["promotion"] = outcome.decision.as_row(outcome.champion_version)
             champion = outcome.champion_version
             policy = final if outcome.decision.promoted else start
+            rejected = None if outcome.decision.promoted else final
         url = write_summary(cfg, rows)
         logger.info(
             "round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url

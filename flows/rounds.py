@@ -106,9 +106,13 @@ def run_round(
     policy: str | StageResult,
     sft: str | StageResult,
     labels: list[StageResult],
+    rejected: StageResult | None = None,
 ) -> tuple[StageResult, StageResult | str, StageResult | None, dict[str, Any]]:
     """One round; returns (final policy, SFT policy, reward model or None, summary row). `labels`
-    grows by this round's. The round trains with DPO (algorithm.name=dpo) or an RL stage."""
+    grows by this round's. The round trains with DPO (algorithm.name=dpo) or an RL stage.
+    `rejected`: the last round's candidate when the promotion gates rejected it; the round starts
+    from `policy` (the champion) but its reward model's online labels are pairs of the rejected
+    policy's answers, the reward model's blind spot, which it must learn before the round retries."""
     c = config
     if r in c.sft.rounds:
         spec = planner.spec(
@@ -123,14 +127,16 @@ def run_round(
     online = c.label.online_from_round is not None and r >= c.label.online_from_round
     fresh = None
     if online and (dpo or c.reward.learned):
+        # DPO learns from pairs of the policy it trains (online DPO), never from another's answers.
+        answering = rejected if rejected is not None and not dpo else policy
         spec = planner.spec(
             "label",
             r,
             {"label": _label_section(c), "sampling": c.sampling},
-            {"policy": _input_id(policy)},
+            {"policy": _input_id(answering)},
             ("prompts",),
         )
-        fresh = run_stage(label_task, c, spec, _uri(policy))
+        fresh = run_stage(label_task, c, spec, _uri(answering))
         labels.append(fresh)  # a reward model trains on the union of all rounds' labels
     if dpo:
         rm, reference = None, (sft if c.dpo.reference == "sft" else policy)
@@ -145,7 +151,8 @@ def run_round(
         r,
         {"eval": c.eval, "gold": c.gold, "sampling": c.sampling, "model": model_section_of(c)}
         | ({"env": c.env.model_dump(mode="json", exclude={"tool_workers"})} if c.env is not None else {})
-        | ({"valid_rule": _valid_rule_of(c)} if c.reward.valid is not None else {}),
+        | ({"valid_rule": _source_definition(c, c.reward.valid)} if c.reward.valid is not None else {})
+        | ({"judge": _source_definition(c, c.reward.judge)} if c.reward.judge is not None else {}),
         {k: _input_id(v) for k, v in upstream + (("final", final),)},
         ("eval_prompts",),
     )
@@ -154,9 +161,10 @@ def run_round(
     return final, sft, rm, _summary_row(r, rm, evaluation)
 
 
-def _valid_rule_of(c: Config) -> dict[str, Any]:
-    """The declared valid rule (reward.valid) as the evaluation's identity sees it: its definition."""
-    source = next(s for s in c.reward.sources if s.name == c.reward.valid)
+def _source_definition(c: Config, name: str) -> dict[str, Any]:
+    """A declared rule or judge (reward.valid, reward.judge) as the evaluation's identity sees it:
+    its definition, not its name or weight."""
+    source = next(s for s in c.reward.sources if s.name == name)
     return source.model_dump(mode="json", exclude={"weight", "name"})
 
 
@@ -186,7 +194,7 @@ def rl_stage(
             "reward_overlong": [c.reward.overlong_buffer, c.reward.overlong_penalty],
             **({"uncertainty_penalty": c.reward.uncertainty_penalty} if c.reward.uncertainty_penalty else {}),
             **({"valid_rule": c.reward.valid} if c.reward.valid is not None else {}),
-            **({"hacking": c.hacking.model_dump(mode="json")} if c.hacking.enabled else {}),
+            **({"hacking": c.hacking.model_dump(mode="json") | {"judge": c.reward.judge}} if c.hacking.enabled else {}),
             "eval": c.eval,
             "gold": c.gold,
             "keep_best": [c.checkpoint.keep_best, c.checkpoint.keep_best_mode],
@@ -297,6 +305,11 @@ def _summary_row(r: int, rm: StageResult | None, evaluation: StageResult) -> dic
         # paired on the same prompts and seed (absent from an evaluation cached before they existed)
         "gold_gain_stderr": m.get("gold_gain_stderr"),
         "valid_drop_stderr": m.get("valid_drop_stderr"),
+        # reward.judge's scores, paired, and its agreement with the reward model (absent: no judge)
+        "judge_score_before": m.get("judge_score_before"),
+        "judge_score_after": m.get("judge_score_after"),
+        "judge_gain_stderr": m.get("judge_gain_stderr"),
+        "judge_agreement": m.get("judge_agreement"),
     }
 
 

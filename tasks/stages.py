@@ -26,7 +26,7 @@ from rlflow.engine.telemetry.progress import CallbackSink, EventLogSink, StopReq
 from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.backend.placement import devices_for
 from rlflow.engine.stages.rl.stage import PPOInputs
-from rlflow.engine.rewards.sources import FALLBACK_METRIC, declared_valid_rule
+from rlflow.engine.rewards.sources import FALLBACK_METRIC, declared_rule, judge_model_path
 from rlflow.engine.rewards.model_scores import ScoreNorm
 from rlflow.engine.stages.reward_model import score_norm_from_metrics
 from rlflow.engine.stages.label_eval import (
@@ -317,9 +317,11 @@ def eval_task(config: Config, spec: StageSpec, inputs: dict[str, str], rm: Stage
     )
     gold = load_bound_function(config.gold, "gold.fn")
     sampling = config.sampling.params(greedy=config.eval.greedy)
-    valid = declared_valid_rule(config.reward)
+    reward = config.reward
+    valid, judge = (declared_rule(reward, name) for name in (reward.valid, reward.judge))
     stage_inputs = EvalStageInputs(
-        eval_inputs, config.model, config.data, config.eval, sampling, gold, config.env, valid
+        eval_inputs, config.model, config.data, config.eval, sampling, gold, config.env, valid, judge,
+        judge_model_path(reward),
     )
     return _run_tracked(
         config,

@@ -179,3 +179,19 @@ def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[
     if len(before) != len(after):
         raise ValueError(f"paired_difference needs the same items: {len(before)} before, {len(after)} after")
     return mean_and_stderr([b - a for a, b in zip(before, after)])
+
+
+def sign_agreement(
+    before_a: Sequence[float], after_a: Sequence[float], before_b: Sequence[float], after_b: Sequence[float]
+) -> tuple[float | None, int]:
+    """How often two scorers agree on which of two answers to the same item is better.
+
+    Over the items both scorers tell apart (after - before nonzero for each), the share where the
+    two changes have the same sign, and the number of such items; (None, 0) when there is none.
+    """
+    sizes = {len(before_a), len(after_a), len(before_b), len(after_b)}
+    if len(sizes) != 1:
+        raise ValueError(f"sign_agreement needs the same items from both scorers, got lengths {sorted(sizes)}")
+    pairs = [(a1 - a0, b1 - b0) for a0, a1, b0, b1 in zip(before_a, after_a, before_b, after_b)]
+    told_apart = [(da > 0) == (db > 0) for da, db in pairs if da != 0 and db != 0]
+    return (sum(told_apart) / len(told_apart) if told_apart else None), len(told_apart)

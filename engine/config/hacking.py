@@ -11,14 +11,12 @@ class HackingConfig(Section):
     enabled: bool = False
     """Watch each RL step's samples for reward hacking; on a divergence the round's RL stops and its
     candidate is the last checkpoint before the diverged window (docs/hacking.md)."""
-    judge: str | None = None
-    """The name of the independent judge: a reward.sources entry of weight 0 (it never enters the
-    reward); its mean per step is compared with the proxy reward's."""
     window: int = Field(5, ge=1)
     """Steps per window: the first window is the baseline, the last is compared with it (from step
     2 x window on). checkpoint.every_steps must not exceed it, so a checkpoint precedes every window."""
     min_judge_drop: float | None = Field(0.0, ge=0)
-    """Diverged when the proxy rose while the judge's window mean fell more than this; None: off."""
+    """Diverged when the proxy rose while the window mean of the judge (reward.judge) fell more than
+    this; None: off."""
     max_valid_drop: float | None = Field(0.1, ge=0)
     """Diverged when the valid share (of reward.valid, the declared valid rule) fell more than this
     below the baseline window's; None: off."""

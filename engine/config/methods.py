@@ -155,6 +155,12 @@ class RewardConfig(Section):
     otherwise (weight 0 keeps it out of the reward). The evaluations' eval/valid_fraction, which the
     promotion gates read, and the hacking detector's valid share come from it; None: the gold's
     "valid" component (or a positive gold score)."""
+    judge: str | None = None
+    """The independent judge: the name of a reward source of weight 0 (it never enters the reward, so
+    it is not optimised): a rule, a function or a second reward model (type model with a path). The
+    hacking detector compares the proxy reward with it during RL, and every evaluation scores the
+    start's and the candidate's answers with it (eval/judge_score, eval/judge_gain, eval/judge_agreement)
+    for the promotion gates; None: no judge."""
     uncertainty_penalty: float = Field(0.0, ge=0)
     """λ of an ensemble reward model's reward, mean - λ x std over its heads (rm.ensemble >= 2):
     answers the heads disagree on, where the reward model is least trustworthy, earn less."""
@@ -181,7 +187,24 @@ class RewardConfig(Section):
             raise ValueError(f"reward.valid={self.valid!r} is not a reward source; reward.sources has {sorted(names)}")
         if self.valid is not None and next(s for s in self.sources if s.name == self.valid).type == "model":
             raise ValueError(f"reward.valid={self.valid!r} is a reward model; a valid rule is a rule or a function")
+        if self.judge is not None:
+            self._check_judge(names)
         return self
+
+    def _check_judge(self, names: list[str]) -> None:
+        if self.judge not in names:
+            raise ValueError(f"reward.judge={self.judge!r} is not a reward source; reward.sources has {sorted(names)}")
+        judge = next(s for s in self.sources if s.name == self.judge)
+        if judge.weight != 0:
+            raise ValueError(
+                f"reward.judge={self.judge!r} has weight {judge.weight}: a judge inside the reward is optimised"
+                " too, so it cannot tell the reward's gain from the task's; give it weight: 0"
+            )
+        if judge.type == "model" and judge.path is None:
+            raise ValueError(
+                f"reward.judge={self.judge!r} is the round's own reward model, the proxy it must check; name a"
+                " rule, a function or a second reward model (type: model with path: its folder)"
+            )
 
     @property
     def learned(self) -> bool:

@@ -22,6 +22,7 @@ MOVED_KEYS = {
     "ppo.temperature": "sampling.temperature",
     "ppo.top_p": "sampling.top_p",
     "ppo.max_new_tokens": "sampling.max_new_tokens",
+    "hacking.judge": "reward.judge",
 }
 # Why a key's meaning is not a plain rename, for the message.
 _NOTES = {

@@ -199,25 +199,18 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _hacking_fits(self) -> Config:
-        h, sources = self.hacking, {s.name: s for s in self.reward.sources}
-        if h.judge is not None and h.judge not in sources:
-            raise ValueError(f"hacking.judge={h.judge!r} is not a reward source; reward.sources has {sorted(sources)}")
-        if h.judge is not None and sources[h.judge].weight != 0:
-            raise ValueError(
-                f"hacking.judge={h.judge!r} has weight {sources[h.judge].weight}: a judge inside the reward is"
-                " optimised too, so it cannot tell the reward's gain from the task's; give it weight: 0"
-            )
+        h = self.hacking
         if not h.enabled:
             return self
         checks = [
-            h.judge is not None and h.min_judge_drop is not None,
+            self.reward.judge is not None and h.min_judge_drop is not None,
             self.reward.valid is not None and h.max_valid_drop is not None,
             h.max_spread_ratio is not None and self.rm.ensemble > 1 and self.reward.learned,
         ]
         if not any(checks):
             raise ValueError(
-                "hacking.enabled has nothing to watch: name a judge (hacking.judge, with min_judge_drop), a valid"
-                " rule (reward.valid, with hacking.max_valid_drop) or, with rm.ensemble >= 2, set"
+                "hacking.enabled has nothing to watch: name a judge (reward.judge, with hacking.min_judge_drop), a"
+                " valid rule (reward.valid, with hacking.max_valid_drop) or, with rm.ensemble >= 2, set"
                 " hacking.max_spread_ratio"
             )
         if self.checkpoint.every_steps > h.window:

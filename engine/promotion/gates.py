@@ -52,6 +52,11 @@ GATE_METRICS: dict[str, Callable[[Row], float | None]] = {
     # prompts and seed), so a gate can ask for a change beyond the evaluation's noise
     "gold_gain_z": lambda r: _z(GATE_METRICS["gold_gain"](r), _value(r, "gold_gain_stderr")),
     "valid_drop_z": lambda r: _z(GATE_METRICS["valid_drop"](r), _value(r, "valid_drop_stderr")),
+    # the independent judge (reward.judge, outside the reward): its gain over the round start, that
+    # gain's z, and the share of prompts where it agrees with the reward model on which answer is better
+    "judge_gain": lambda r: _difference(r, "judge_score_after", "judge_score_before"),
+    "judge_gain_z": lambda r: _z(GATE_METRICS["judge_gain"](r), _value(r, "judge_gain_stderr")),
+    "judge_agreement": lambda r: _value(r, "judge_agreement"),
 }
 
 

@@ -32,6 +32,10 @@ class ScoringModels:
     sft: torch.nn.Module  # the SFT policy, for eval/kl_to_sft
     gold: Callable[..., Any]
     valid: Callable[..., float] | None = None  # reward.valid: (prompt, response, **fields) -> 1 or 0; None: gold
+    # reward.judge: a rule or function (prompt, response, **fields) -> float, or a second reward model
+    # (its raw scores, the mean of its heads); both None: no judge (eval/judge_* absent)
+    judge: Callable[..., float] | None = None
+    judge_model: torch.nn.Module | None = None
 
 
 def normalised_head_scores(

@@ -198,15 +198,23 @@ class RewardSource:
         return (torch.tensor(raw, dtype=scores.dtype) - self.fallback.mean) / self.fallback.std
 
 
-def declared_valid_rule(reward: RewardConfig) -> Callable[..., float] | None:
-    """reward.valid's scorer as `(prompt, response, **fields) -> float` (None: none declared), built
-    as the pool builds it, for the evaluations to call in process."""
+def declared_rule(reward: RewardConfig, name: str | None) -> Callable[..., float] | None:
+    """The scorer of the rule or function source `name` (reward.valid, reward.judge) as
+    `(prompt, response, **fields) -> float`, built as the pool builds it, for the evaluations to call
+    in process; None when `name` is None or names a reward model."""
     from rlflow.engine.rewards.pool_worker import build_scorer, source_spec
 
-    if reward.valid is None:
+    source = next((s for s in reward.sources if s.name == name), None)
+    if source is None or source.type == "model":
         return None
-    scorer = build_scorer(source_spec(next(s for s in reward.sources if s.name == reward.valid), reward.on_error))
+    scorer = build_scorer(source_spec(source, reward.on_error))
     return lambda prompt, response, **fields: scorer(prompt, response, fields)
+
+
+def judge_model_path(reward: RewardConfig) -> str | None:
+    """The folder of reward.judge when it is a second reward model (type model with a path), else None."""
+    source = next((s for s in reward.sources if s.name == reward.judge), None)
+    return source.path if source is not None and source.type == "model" else None
 
 
 def start_reward_pool(reward: RewardConfig) -> RewardFunctionPool | None:

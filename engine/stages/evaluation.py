@@ -17,7 +17,8 @@ from rlflow.engine.errors import DataError
 from rlflow.engine.rewards.model_scores import ScoringModels, ensemble_mean_std, normalised_head_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
 from rlflow.engine.rollout.episodes import EpisodeSampler, episode_metrics
-from rlflow.engine.rollout.generate import batched_logprobs, generate_rollouts
+from rlflow.engine.models.loading import head_columns
+from rlflow.engine.rollout.generate import batched_logprobs, batched_scores, generate_rollouts
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class PolicyEvaluation:
     samples: list[dict[str, Any]]  # the first n_samples prompts: prompt, response, scores (the logged table)
     gold_scores: tuple[float, ...]  # [n_prompts] each prompt's gold score, in prompt order
     valid: tuple[float, ...]  # [n_prompts] 1.0 where the answer is valid, else 0.0 (eval/valid_fraction's terms)
+    judge: tuple[float, ...] | None = None  # [n_prompts] reward.judge's score of each answer; None: no judge
+    rm_scores: tuple[float, ...] | None = None  # [n_prompts] the reward model's normalised score; None: none
 
 
 @dataclass(frozen=True)
@@ -74,13 +77,15 @@ def evaluate_policy(
     mean; its heads' std: eval/rm_score_std_ensemble), eval/kl and
     eval/kl_to_sft (token-mean k3 estimate on the sampled tokens), eval/response_length (tokens),
     eval/distinct_2 (pooled over all answers' words), eval/valid_fraction (by the declared valid
-    rule, models.valid, else the gold's "valid" component). With `episodes` each
+    rule, models.valid, else the gold's "valid" component), eval/judge_score (reward.judge's mean:
+    models.judge or models.judge_model, raw scores). With `episodes` each
     prompt is an episode, scored on its final answer, and eval/env/* counts its turns and tool calls
     (the KL and length are over the model's tokens of every turn).
     """
     texts: list[str] = []
     played: list[dict[str, Any]] = []  # with episodes: each row's Trajectory.summary() and transcript
-    per_row: list[torch.Tensor] = []  # [b, 5] per chunk: rm score, its heads' std, kl to reference and sft, length
+    per_row: list[torch.Tensor] = []  # [b, 6] per chunk: rm score, its heads' std, kl to reference and sft,
+    # a judge model's score, length
     for c, real in dist.rank_chunks(len(prompts.token_ids), batch_size):
         start = c * batch_size
         chunk = prompts.token_ids[start : start + batch_size]
@@ -101,6 +106,7 @@ def evaluate_policy(
         for anchor in (models.reference, models.sft):
             anchor_lp = batched_logprobs(anchor, batch, temperature, chunk=rows)
             columns.append(masked_mean(token_kl(logprobs, anchor_lp, "k3"), mask, dim=1))
+        columns.append(_judge_model_scores(models.judge_model, batch, rows))
         if real:
             per_row.append(torch.stack(columns + [mask.sum(1)], 1))
             texts.extend(batch.response_texts)
@@ -110,9 +116,11 @@ def evaluate_policy(
     n_prompts = len(prompts.token_ids)
     table = dist.gather_chunked(torch.cat(per_row), n_prompts, batch_size, 0.0)
     texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
-    rm, rm_std, kl_ref, kl_sft, lengths = ([table[:, i]] for i in range(5))
+    rm, rm_std, kl_ref, kl_sft, judged, lengths = ([table[:, i]] for i in range(6))
     records = prompts.records
-    gold, declared = _gold_scores(models.gold, records, texts, models.valid)
+    gold, declared, judge = _gold_scores(models.gold, records, texts, models.valid, models.judge)
+    if models.judge_model is not None:
+        judge = [float(x) for x in judged[0]]
     n = len(gold.scores)
     mean, stderr = mean_and_stderr(gold.scores)
     # The declared valid rule (reward.valid) where there is one, else the gold's own "valid"
@@ -127,6 +135,8 @@ def evaluate_policy(
         "eval/distinct_2": distinct_n([t.split() for t in texts], 2),
         "eval/valid_fraction": sum(valid) / n,
     }
+    if judge is not None:
+        metrics["eval/judge_score"] = sum(judge) / n
     if models.reward_model is not None:
         metrics["eval/rm_score"] = float(torch.cat(rm).mean())
         if not torch.isnan(torch.cat(rm_std)).all():  # an ensemble reward model: its heads' mean spread
@@ -145,7 +155,16 @@ def evaluate_policy(
         | ({"transcript": played[i]["transcript"]} if episodes is not None else {})
         for i in range(min(n_samples, n))
     ]
-    return PolicyEvaluation(metrics, rows, tuple(float(x) for x in gold.scores), tuple(valid))
+    rm_scores = None if models.reward_model is None else tuple(float(x) for x in rm[0])
+    judged_scores = None if judge is None else tuple(float(x) for x in judge)
+    return PolicyEvaluation(metrics, rows, tuple(float(x) for x in gold.scores), tuple(valid), judged_scores, rm_scores)
+
+
+def _judge_model_scores(judge_model: torch.nn.Module | None, batch: Any, rows: int) -> torch.Tensor:
+    """[rows] a second reward model's raw score of each answer (its heads' mean); NaN without one."""
+    if judge_model is None:
+        return torch.full((rows,), float("nan"))
+    return head_columns(batched_scores(judge_model, batch, rows)).mean(1)
 
 
 def _played(episodes: EpisodeSampler, tokenizer: Any) -> list[dict[str, Any]]:
@@ -168,16 +187,18 @@ def _tool_use_metrics(played: list[dict[str, Any]], scores: Sequence[float]) -> 
 
 
 def _gold_scores(
-    gold: Any, records: Sequence[PromptRecord], texts: list[str], valid_rule: Any = None
-) -> tuple[GoldScores, list[float] | None]:
-    """Rank 0 alone calls the gold function (it may be an external judge, slow or not deterministic)
-    and the declared valid rule; every rank gets their results, so decisions taken from them
-    (keep_best, checkpoints) agree. Returns the gold's scores and the rule's (None: no rule)."""
+    gold: Any, records: Sequence[PromptRecord], texts: list[str], valid_rule: Any = None, judge_rule: Any = None
+) -> tuple[GoldScores, list[float] | None, list[float] | None]:
+    """Rank 0 alone calls the gold function (it may be an external judge, slow or not deterministic),
+    the declared valid rule and the judge; every rank gets their results, so decisions taken from
+    them (keep_best, checkpoints) agree. Returns the gold's scores, the valid rule's and the judge's
+    (None: no such rule)."""
     local = None
     if dist.is_main():
         prompts, fields = [r.prompt for r in records], [r.fields for r in records]
         scored = score_answers(gold, prompts, texts, fields)
-        declared = None if valid_rule is None else score_answers(valid_rule, prompts, texts, fields).scores
-        local = {"scores": scored.scores, "components": scored.components, "valid": declared}
+        rules = {"valid": valid_rule, "judge": judge_rule}
+        local = {"scores": scored.scores, "components": scored.components}
+        local |= {k: None if f is None else score_answers(f, prompts, texts, fields).scores for k, f in rules.items()}
     shared = dist.all_gather_json(local)[0] if dist.is_distributed() else local
-    return GoldScores(shared["scores"], shared["components"]), shared["valid"]
+    return GoldScores(shared["scores"], shared["components"]), shared["valid"], shared["judge"]

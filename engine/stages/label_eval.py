@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlflow.engine.algorithms.stats import paired_difference
+from rlflow.engine.algorithms.stats import paired_difference, sign_agreement
 from rlflow.engine.data.batching import batch_indices
 from rlflow.engine.config.schema import DataConfig
 from rlflow.engine.config.stages import EvalConfig
@@ -146,20 +146,36 @@ class EvalStageInputs:
     gold: Callable[..., Any]  # gold.fn, bound to its kwargs
     env: EnvConfig | None = None  # env.*: each prompt is an episode of this environment, scored on its answer
     valid: Callable[..., float] | None = None  # reward.valid's rule (eval/valid_fraction); None: the gold's
+    judge: Callable[..., float] | None = None  # reward.judge as a rule or function (eval/judge_*)
+    judge_model: str | None = None  # reward.judge as a second reward model: its folder (raw scores)
 
 
 def paired_metrics(before: PolicyEvaluation, after: PolicyEvaluation) -> dict[str, float]:
     """The change from `before` to `after`, paired on the same prompts and sampling seed, with the
     standard error of the per-prompt differences: eval/gold_gain (+ _stderr; after minus before)
-    and eval/valid_drop (+ _stderr; before minus after)."""
+    and eval/valid_drop (+ _stderr; before minus after). With a judge (reward.judge) also
+    eval/judge_gain (+ _stderr) and, with a reward model, eval/judge_agreement: on the prompts where
+    both tell the two answers apart, the share where the judge agrees with the reward model on which
+    is better (eval/judge_agreement_n of them). A hacked reward model prefers answers the judge
+    does not: its agreement falls towards 0."""
     gain, gain_se = paired_difference(before.gold_scores, after.gold_scores)
     drop, drop_se = paired_difference(after.valid, before.valid)
-    return {
+    metrics = {
         "eval/gold_gain": gain,
         "eval/gold_gain_stderr": gain_se,
         "eval/valid_drop": drop,
         "eval/valid_drop_stderr": drop_se,
     }
+    if before.judge is None or after.judge is None:
+        return metrics
+    judge_gain, judge_se = paired_difference(before.judge, after.judge)
+    metrics |= {"eval/judge_gain": judge_gain, "eval/judge_gain_stderr": judge_se}
+    if before.rm_scores is not None and after.rm_scores is not None:
+        share, n = sign_agreement(before.rm_scores, after.rm_scores, before.judge, after.judge)
+        metrics["eval/judge_agreement_n"] = float(n)
+        if share is not None:
+            metrics["eval/judge_agreement"] = share
+    return metrics
 
 
 def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOutcome:
@@ -179,6 +195,8 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
         sft=reference if inputs.sft == inputs.reference else load_policy(inputs.sft, **kw).eval(),
         gold=gold,
         valid=stage_inputs.valid,
+        judge=stage_inputs.judge,
+        judge_model=None if (judge := stage_inputs.judge_model) is None else load_scalar_model(judge, **kw).eval(),
     )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
     prompts, _, _ = encode_prompt_set(

@@ -38,7 +38,7 @@ def test_a_rejected_round_is_recorded_and_the_next_round_starts_from_the_champio
         root,
         run={"name": "gated", "rounds": 1},
         ppo={"steps": 2},
-        label={"online_from_round": None},
+        label={"online_from_round": 1, "prompts_per_round": 16},
         promotion={"enabled": True, "on_reject": "fail", "gates": REJECT_ALL},
     )
     config = write_config(tmp_path / "c.yaml", tree)
@@ -60,7 +60,8 @@ def test_a_rejected_round_is_recorded_and_the_next_round_starts_from_the_champio
 
     # Continued with a second round and on_reject=pause. Round 0, decided again from its cached
     # evaluation (the same outcome, no new version), pauses the flow run: answered `continue`,
-    # round 1 starts from round 0's start (its SFT policy). Round 1 is rejected and pauses too:
+    # round 1 starts from round 0's start (its SFT policy), its online labels from round 0's answers.
+    # Round 1 is rejected and pauses too:
     # answered `promote`, it becomes the champion, recorded as a manual override (the override is
     # the run's: the flow decides the round again, reading it, as every continued run does).
     proc = cli(config, "run.rounds=2", "promotion.on_reject=pause")
@@ -70,6 +71,9 @@ def test_a_rejected_round_is_recorded_and_the_next_round_starts_from_the_champio
     out = finish(proc)
     assert "[round 0 ppo] step" not in out and "[round 1 ppo] step 2/2" in out
     assert _identity_inputs(root, 1, "ppo")["policy"] == _identity_inputs(root, 0, "ppo")["policy"]
+    # ... while its reward model learns from pairs of the rejected policy's answers, its blind spot
+    rejected = json.loads((root / "gated" / "round_0" / "ppo" / "final.json").read_text())["manifest_sha256"]
+    assert _identity_inputs(root, 1, "label")["policy"] == rejected
     assert "round 1 promoted by hand (ana: checked by hand)" in out
     assert f"final policy: {root / 'gated' / 'round_1' / 'ppo'}" in out
     versions = sorted(client.search_model_versions("name = 'gated-policy'"), key=lambda v: int(v.version))

@@ -44,7 +44,7 @@ from rlflow.engine.models.loading import (
 )
 from rlflow.engine.stages.rl.experience import Objective, PPOModels
 from rlflow.engine.models.lora import AdaptersOffView, lora_metrics
-from rlflow.engine.rewards.sources import build_reward_source, declared_valid_rule, start_reward_pool
+from rlflow.engine.rewards.sources import build_reward_source, declared_rule, start_reward_pool
 from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan, run_evaluation, stream_prompts
 from rlflow.engine.backend.runtime import TrainEngine
 from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
@@ -171,7 +171,7 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
     resume, changed, guard = start
     chat_template = inputs.data.chat_template
     models = load_ppo_models(inputs.paths, inputs.model, inputs.ppo, inputs.gold, ctx.runtime, chat_template)
-    valid = declared_valid_rule(inputs.reward)  # the evaluations' valid share
+    valid = declared_rule(inputs.reward, inputs.reward.valid)  # the evaluations' valid share
     models = dataclasses.replace(models, scoring=dataclasses.replace(models.scoring, valid=valid))
     if inputs.model.lora_for("ppo"):
         for role, engine in (("actor", models.actor), ("critic", models.critic)):
@@ -280,7 +280,7 @@ class PPORun:
     ):
         self.ctx, self.models, self.cfg, self.eval_cfg = ctx, models, inputs.ppo, inputs.eval
         self.checkpoint, self.kl, self.objective = inputs.checkpoint, inputs.kl, inputs.objective
-        self.hacking, self.valid_source = inputs.hacking, inputs.reward.valid
+        self.hacking, self.valid_source, self.judge_source = inputs.hacking, inputs.reward.valid, inputs.reward.judge
         self.generate_batch = inputs.rollout.generate_batch
         self.eval_sampling = inputs.sampling.params(greedy=inputs.eval.greedy)
         (self.prompts, self.eval_prompts), self.resume, self.changed = prompt_sets, start.resume, start.changed
@@ -306,7 +306,7 @@ class PPORun:
         """Record this step's signals, return hacking/*; on a divergence mark the window it began."""
         h, state = self.hacking, self.state
         signal = lambda name: None if name is None else metrics.get(f"reward/{name}/mean")  # noqa: E731
-        row = [step, metrics.get("critic/score/mean"), signal(h.judge), signal(self.valid_source)]
+        row = [step, metrics.get("critic/score/mean"), signal(self.judge_source), signal(self.valid_source)]
         state.hacking_history.append(row + [metrics.get("critic/score_std_ensemble")])
         limits = DetectorLimits(h.window, h.min_judge_drop, h.max_valid_drop, h.max_spread_ratio)
         divergence = detect_divergence(state.hacking_history, limits)

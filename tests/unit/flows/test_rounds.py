@@ -266,7 +266,14 @@ def test_the_summary_row_reads_the_evaluation_and_the_reward_models_accuracy():
         "valid_fraction_before": 1.0,
         "gold_gain_stderr": 0.01,
         "valid_drop_stderr": 0.03,
+        "judge_score_before": None,  # no judge declared (reward.judge)
+        "judge_score_after": None,
+        "judge_gain_stderr": None,
+        "judge_agreement": None,
     }
+    judged = {"judge_score_before": 0.5, "judge_score_after": 0.3, "judge_gain_stderr": 0.04, "judge_agreement": 0.2}
+    judged_row = _summary_row(1, rm, result("eval", EVAL_METRICS | judged))
+    assert {k: judged_row[k] for k in judged} == judged
     no_rm = _summary_row(0, None, evaluation)
     assert no_rm["rm_accuracy"] is None and no_rm["rm_accuracy_online"] is None and no_rm["kl"] == 1.5
     with pytest.raises(KeyError, match="kl_after"):

@@ -206,3 +206,14 @@ def test_paired_difference_by_hand_and_smaller_than_unpaired_on_correlated_items
     assert mean / se > 15 > 1 > mean / unpaired
     with pytest.raises(ValueError, match="3 before, 2 after"):
         stats.paired_difference([1, 2, 3], [1, 2])
+
+
+def test_sign_agreement_counts_only_items_both_scorers_tell_apart():
+    # item: proxy change, judge change -> +1/+2 agree, +1/-1 disagree, 0/+1 and +2/0 not told apart, -1/-3 agree
+    proxy_before, proxy_after = [0, 0, 0, 0, 1], [1, 1, 0, 2, 0]
+    judge_before, judge_after = [0, 1, 0, 5, 3], [2, 0, 1, 5, 0]
+    share, n = stats.sign_agreement(proxy_before, proxy_after, judge_before, judge_after)
+    assert (share, n) == (pytest.approx(2 / 3), 3)
+    assert stats.sign_agreement([1, 2], [1, 2], [0, 0], [1, 1]) == (None, 0)  # the proxy tells none apart
+    with pytest.raises(ValueError, match=r"lengths \[2, 3\]"):
+        stats.sign_agreement([1, 2], [1, 2], [0, 0], [1, 1, 1])

@@ -13,8 +13,8 @@ JUDGE = {"name": "judge", "type": "length", "weight": 0, "kwargs": {"target": 10
 SOURCES = {"sources": [{"name": "rm", "type": "model"}, VALID, JUDGE]}
 
 
-def config(valid="valid", **hacking):
-    reward = SOURCES | {"valid": valid}
+def config(valid="valid", judge=None, **hacking):
+    reward = SOURCES | {"valid": valid, "judge": judge}
     return build_config({"reward": reward, "checkpoint": {"every_steps": 5}, "hacking": hacking}, "t")
 
 
@@ -30,11 +30,19 @@ def test_what_it_names_must_be_reward_sources_and_the_judge_must_stay_out_of_the
         config(valid="format")
     with pytest.raises(ConfigError, match="reward.valid='rm' is a reward model; a valid rule is a rule or a function"):
         config(valid="rm")
-    with pytest.raises(ConfigError, match=r"hacking.judge='jury' is not a reward source"):
+    with pytest.raises(ConfigError, match=r"reward.judge='jury' is not a reward source"):
         config(judge="jury")
     weighted = {"sources": [{"name": "rm", "type": "model"}, JUDGE | {"weight": 0.5}]}
-    with pytest.raises(ConfigError, match="hacking.judge='judge' has weight 0.5: .* give it weight: 0"):
-        build_config({"reward": weighted, "hacking": {"judge": "judge"}}, "t")
+    with pytest.raises(ConfigError, match="reward.judge='judge' has weight 0.5: .* give it weight: 0"):
+        build_config({"reward": weighted | {"judge": "judge"}}, "t")
+    own = {"sources": [{"name": "rm", "type": "model"}, {"name": "rm2", "type": "model", "weight": 0}]}
+    with pytest.raises(ConfigError, match="reward.judge='rm2' is the round's own reward model, the proxy it must"):
+        build_config({"reward": own | {"judge": "rm2"}}, "t")
+    second = {"name": "rm2", "type": "model", "weight": 0, "path": "elsewhere/rm"}
+    two = {"sources": [{"name": "rm", "type": "model"}, second], "judge": "rm2"}
+    assert build_config({"reward": two}, "t").reward.judge == "rm2"
+    with pytest.raises(ConfigError, match="'hacking.judge' moved to 'reward.judge'"):
+        build_config({"hacking": {"judge": "judge"}}, "t")
 
 
 def test_it_needs_something_to_watch_and_a_checkpoint_before_every_window():

@@ -103,7 +103,11 @@ VALUES = {  # a valid value of each moved key that is not a float
     "safety.kl_patience": 5,
     "ppo.kl.horizon": 500,
     "ppo.max_new_tokens": 7,
+    "hacking.judge": "j",
 }
+
+
+NEEDS = {"hacking.judge": ["reward.sources=[{name: rm, type: model}, {name: j, type: length, weight: 0}]"]}
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_KEYS))
@@ -120,7 +124,8 @@ def test_a_moved_key_fails_naming_its_new_key(tmp_path, old):
     with pytest.raises(ConfigError, match=rf"'{re.escape(old)}' moved to '{re.escape(MOVED_KEYS[old])}'"):
         load_config(_empty(tmp_path), [f"{old}={value}"])
     new_section, new_key = MOVED_KEYS[old].split(".")
-    moved = load_config(_empty(tmp_path), [f"{MOVED_KEYS[old]}={value}"])
+    needs = NEEDS.get(old, [])
+    moved = load_config(_empty(tmp_path), [*needs, f"{MOVED_KEYS[old]}={value}"])
     assert getattr(getattr(moved, new_section), new_key) == value
 
 

@@ -62,7 +62,10 @@ def test_a_sleeping_program_is_killed_at_its_wall_clock_limit():
 
 @needs_root
 def test_a_memory_bomb_is_stopped():
-    result = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))", QUICK)
+    # CPU time to spare: on a loaded machine the page faults can use up a 1 s CPU limit first, and the
+    # kernel's SIGXCPU would end it before the memory limit does.
+    limits = SandboxLimits(cpu_s=20, wall_s=60.0, memory_mb=256, nproc=8, output_bytes=4096)
+    result = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))", limits)
     assert result.exit_code == 1 and "MemoryError" in result.stderr
     assert result.describe().endswith("MemoryError\n[exit code 1]")
 

@@ -24,6 +24,10 @@ ROW = {
     "gold_score_stderr": 0.05,
     "gold_gain_stderr": 0.02,  # paired: smaller than the score's own
     "valid_drop_stderr": 0.06,
+    "judge_score_before": 0.50,
+    "judge_score_after": 0.30,
+    "judge_gain_stderr": 0.05,
+    "judge_agreement": 0.25,
 }
 
 
@@ -38,6 +42,11 @@ def test_each_metric_is_computed_from_the_row_by_its_formula():
     assert values["gold_gain"] == pytest.approx(0.06)
     assert values["gold_gain_z"] == pytest.approx(3.0)  # 0.06 / 0.02, the paired standard error
     assert values["valid_drop_z"] == pytest.approx(3.0)  # 0.18 / 0.06
+    assert values["judge_gain"] == pytest.approx(-0.2)  # the judge fell while the reward model's score rose
+    assert values["judge_gain_z"] == pytest.approx(-4.0)  # -0.2 / 0.05
+    assert values["judge_agreement"] == 0.25
+    no_judge = {k: v for k, v in ROW.items() if not k.startswith("judge")}
+    assert [GATE_METRICS[k](no_judge) for k in ("judge_gain", "judge_gain_z", "judge_agreement")] == [None] * 3
 
 
 def test_a_ratio_over_nothing_and_a_zero_stderr_are_not_measurements():

@@ -16,7 +16,8 @@ from rlflow.engine.rewards.sources import (
     LearnedSource,
     RewardSource,
     build_reward_source,
-    declared_valid_rule,
+    declared_rule,
+    judge_model_path,
     start_reward_pool,
 )
 from rlflow.engine.rollout.generate import RolloutBatch
@@ -158,9 +159,17 @@ def test_an_ensemble_source_is_rewarded_its_heads_mean_less_the_penalty_and_logs
     assert "critic/score_std_ensemble" not in plain.metrics  # one head: no spread to log
 
 
-def test_the_declared_valid_rule_is_built_as_the_pool_builds_its_source():
+def test_the_declared_rule_is_built_as_the_pool_builds_its_source():
     valid = RewardSourceConfig(name="valid", type="format", weight=0.0, kwargs={"kind": "number"})
     reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model"), valid], valid="valid")
-    rule = declared_valid_rule(reward)
+    rule = declared_rule(reward, reward.valid)
     assert [rule("p", r) for r in ("42", "forty-two", " 3.5 ")] == [1.0, 0.0, 1.0]
-    assert declared_valid_rule(RewardConfig()) is None
+    assert declared_rule(RewardConfig(), None) is None
+    assert declared_rule(reward, "rm") is None  # a reward model is no rule: the evaluation loads it
+    assert judge_model_path(reward) is None
+
+
+def test_a_second_reward_model_as_judge_is_found_by_its_folder():
+    second = RewardSourceConfig(name="rm2", type="model", weight=0.0, path="models/rm2")
+    reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model"), second], judge="rm2")
+    assert judge_model_path(reward) == "models/rm2" and declared_rule(reward, reward.judge) is None

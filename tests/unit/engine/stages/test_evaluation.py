@@ -132,3 +132,26 @@ def test_a_declared_valid_rule_replaces_the_golds_valid_component(tiny):
     assert evaluation.valid == tuple(float(len(t) > 3) for t in texts) and calls == [0, 1, 2, 3]
     assert evaluation.metrics["eval/valid_fraction"] == sum(len(t) > 3 for t in texts) / 4
     assert evaluation.metrics["eval/gold/valid"] == sum(bool(t.strip()) for t in texts) / 4  # the gold's, still logged
+
+
+def test_a_judge_scores_every_answer_as_a_rule_or_as_a_second_reward_model(tiny):
+    policy, tokenizer = tiny
+    prompts, _, _ = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
+    texts = list(generate_rollouts(policy, tokenizer, prompts.token_ids, SAMPLING, 9).response_texts)
+
+    def words(prompt, response, bonus):
+        return float(len(response.split()))
+
+    models = ScoringModels(None, None, reference=policy, sft=policy, gold=gold, judge=words)
+    by_rule = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=8)
+    assert by_rule.judge == tuple(float(len(t.split())) for t in texts)
+    assert by_rule.metrics["eval/judge_score"] == pytest.approx(sum(len(t.split()) for t in texts) / 4)
+    assert by_rule.rm_scores is None  # no reward model: nothing for the judge to agree with
+    # A second reward model judges by its raw score: the last token's id here, as LastTokenScorer reads it
+    models = ScoringModels(None, None, reference=policy, sft=policy, gold=gold, judge_model=LastTokenScorer())
+    by_model = evaluate_policy(policy, tokenizer, prompts, models, SAMPLING, seed=9, batch_size=8)
+    batch = generate_rollouts(policy, tokenizer, prompts.token_ids, SAMPLING, 9)
+    last = [float(row[int(mask.sum()) - 1]) for row, mask in zip(batch.response_ids, batch.response_mask)]
+    assert by_model.judge == pytest.approx(tuple(last)) and len(set(last)) > 1  # each answer its own score
+    no_judge = evaluate_policy(policy, tokenizer, prompts, ScoringModels(None, None, policy, policy, gold), SAMPLING, 9)
+    assert no_judge.judge is None and "eval/judge_score" not in no_judge.metrics

@@ -12,6 +12,7 @@ from rlflow.engine.config.promotion import PromotionConfig, PromotionGate
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.promotion.gates import decide_promotion
 from rlflow.engine.config.schema import build_config
+from rlflow.engine.stages.evaluation import PolicyEvaluation
 from rlflow.engine.stages.label_eval import (
     PAIRS_EVAL_FILE,
     PAIRS_FILE,
@@ -19,6 +20,7 @@ from rlflow.engine.stages.label_eval import (
     EvalInputs,
     EvalStageInputs,
     LabelStageInputs,
+    paired_metrics,
     run_eval_stage,
     run_label_stage,
     sample_answer_pairs,
@@ -102,3 +104,26 @@ def test_evaluation_measures_start_and_final_policy_on_the_same_prompts_and_seed
     results = ctx.store.read_json(0, RESULTS_FILE)
     assert len(results["after"]["samples"]) == 3
     assert results["before"]["metrics"]["eval/gold_score"] == m["gold_score_before"]
+
+
+def test_the_judges_gain_and_its_agreement_with_the_reward_model_are_paired_by_prompt():
+    def measured(gold, judge, rm):
+        return PolicyEvaluation({}, [], tuple(gold), (1.0,) * len(gold), tuple(judge), tuple(rm))
+
+    # prompt:      0     1     2     3
+    before = measured([0, 0, 0, 0], judge=[1.0, 1.0, 2.0, 0.5], rm=[0.0, 0.0, 0.0, 1.0])
+    after = measured([0, 0, 0, 0], judge=[2.0, 0.0, 2.0, 0.0], rm=[1.0, 2.0, 3.0, 0.0])
+    m = paired_metrics(before, after)
+    # judge changes +1, -1, 0, -0.5: mean -0.125, standard error of those four differences
+    diffs = [1.0, -1.0, 0.0, -0.5]
+    se = (sum((d + 0.125) ** 2 for d in diffs) / 3 / 4) ** 0.5
+    assert m["eval/judge_gain"] == pytest.approx(-0.125) and m["eval/judge_gain_stderr"] == pytest.approx(se)
+    # rm changes +1, +2, +3, -1: prompt 2 the judge does not tell apart; 0 and 3 agree, 1 does not
+    assert m["eval/judge_agreement"] == pytest.approx(2 / 3) and m["eval/judge_agreement_n"] == 3
+    no_rm = measured([0] * 4, [0.0] * 4, [0.0] * 4)
+    no_rm = PolicyEvaluation({}, [], no_rm.gold_scores, no_rm.valid, no_rm.judge, None)
+    alone = paired_metrics(no_rm, no_rm)
+    assert "eval/judge_agreement" not in alone and alone["eval/judge_gain"] == 0.0
+    no_judge = PolicyEvaluation({}, [], (0.0,), (1.0,))
+    plain = {"eval/gold_gain", "eval/gold_gain_stderr", "eval/valid_drop", "eval/valid_drop_stderr"}
+    assert set(paired_metrics(no_judge, no_judge)) == plain
