@@ -154,7 +154,7 @@ def run_round(
         | ({"valid_rule": _source_definition(c, c.reward.valid)} if c.reward.valid is not None else {})
         | ({"judge": _source_definition(c, c.reward.judge)} if c.reward.judge is not None else {}),
         {k: _input_id(v) for k, v in upstream + (("final", final),)},
-        ("eval_prompts",),
+        ("eval_prompts",) + (("regression",) if c.data.regression is not None else ()),
     )
     inputs = {"policy": _uri(policy), "reference": _uri(reference), "sft": _uri(sft), "final": final.checkpoint_uri}
     evaluation = run_stage(eval_task, c, eval_spec, inputs, rm)
@@ -310,6 +310,10 @@ def _summary_row(r: int, rm: StageResult | None, evaluation: StageResult) -> dic
         "judge_score_after": m.get("judge_score_after"),
         "judge_gain_stderr": m.get("judge_gain_stderr"),
         "judge_agreement": m.get("judge_agreement"),
+        # the fixed regression set's NLL per response token, paired (absent: no data.regression)
+        "regression_nll_before": m.get("regression_nll_before"),
+        "regression_nll_after": m.get("regression_nll_after"),
+        "regression_nll_increase_stderr": m.get("regression_nll_increase_stderr"),
     }
 
 

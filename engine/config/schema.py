@@ -90,6 +90,10 @@ class DataConfig(Section):
     other columns reach the score functions)."""
     eval_prompts: str = "demo_assets/data/eval_prompts.jsonl"
     """Prompts of the evaluations (during PPO and at each round's end)."""
+    regression: str | None = None
+    """A fixed set of prompt/response records (the data.sft format, e.g. data.sft_eval or a capability
+    set) on which each round's evaluation measures the start's and the candidate's NLL per response
+    token: eval/regression_nll, and the promotion gates' regression_nll_increase; None: not measured."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options (e.g. credentials) for reading the data files."""
     max_prompt_tokens: int = Field(64, ge=1)

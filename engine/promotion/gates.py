@@ -57,6 +57,12 @@ GATE_METRICS: dict[str, Callable[[Row], float | None]] = {
     "judge_gain": lambda r: _difference(r, "judge_score_after", "judge_score_before"),
     "judge_gain_z": lambda r: _z(GATE_METRICS["judge_gain"](r), _value(r, "judge_gain_stderr")),
     "judge_agreement": lambda r: _value(r, "judge_agreement"),
+    # the fixed regression set (data.regression): the rise of the mean NLL per response token of its
+    # reference responses, candidate minus start (nats), and that rise's z
+    "regression_nll_increase": lambda r: _difference(r, "regression_nll_after", "regression_nll_before"),
+    "regression_nll_increase_z": lambda r: _z(
+        GATE_METRICS["regression_nll_increase"](r), _value(r, "regression_nll_increase_stderr")
+    ),
 }
 
 

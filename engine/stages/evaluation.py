@@ -17,7 +17,9 @@ from rlflow.engine.errors import DataError
 from rlflow.engine.rewards.model_scores import ScoringModels, ensemble_mean_std, normalised_head_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
 from rlflow.engine.rollout.episodes import EpisodeSampler, episode_metrics
-from rlflow.engine.models.loading import head_columns
+from rlflow.engine.data.batching import PromptResponseIds, right_pad
+from rlflow.engine.models.lm_head import next_token_logprobs
+from rlflow.engine.models.loading import head_columns, model_device, position_ids_from_mask
 from rlflow.engine.rollout.generate import batched_logprobs, batched_scores, generate_rollouts
 
 
@@ -53,6 +55,27 @@ def encode_prompt_set(
         )
     kept = tuple(records[i] for i in encoded.kept_indices)
     return PromptSet(kept, tuple(tuple(t) for t in encoded.token_ids)), encoded.n_truncated, encoded.n_dropped
+
+
+REGRESSION_MAX_TOKENS = 1024  # a data.regression record longer than this keeps its prompt's last tokens
+
+
+@torch.no_grad()
+def response_nll_by_row(
+    model: torch.nn.Module, rows: Sequence[PromptResponseIds], pad_id: int, batch_size: int = 32
+) -> tuple[float, ...]:
+    """[len(rows)] each row's mean next-token NLL over its response tokens (nats per token).
+
+    Every rank scores every row (the same passes on each, as ZeRO-3's gathers need)."""
+    scores: list[float] = []
+    device = model_device(model)
+    for start in range(0, len(rows), batch_size):
+        ids, attention, response_mask = (t.to(device) for t in right_pad(rows[start : start + batch_size], pad_id))
+        forward = {"attention_mask": attention, "position_ids": position_ids_from_mask(attention), "use_cache": False}
+        logprobs, _ = next_token_logprobs(model, ids, forward, 1)
+        mask = response_mask[:, 1:]
+        scores += (-(logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    return tuple(scores)
 
 
 @torch.no_grad()

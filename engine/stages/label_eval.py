@@ -9,14 +9,20 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlflow.engine.algorithms.stats import paired_difference, sign_agreement
-from rlflow.engine.data.batching import batch_indices
+from rlflow.engine.data.batching import PromptResponseIds, batch_indices, encode_pair
 from rlflow.engine.config.schema import DataConfig
 from rlflow.engine.config.stages import EvalConfig
 from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.config.env import EnvConfig
-from rlflow.engine.data.records import PromptRecord, load_prompts
+from rlflow.engine.data.records import PromptRecord, load_prompts, load_sft_examples
 from rlflow.engine.rewards.model_scores import ScoreNorm, ScoringModels
-from rlflow.engine.stages.evaluation import PolicyEvaluation, encode_prompt_set, evaluate_policy
+from rlflow.engine.stages.evaluation import (
+    REGRESSION_MAX_TOKENS,
+    PolicyEvaluation,
+    encode_prompt_set,
+    evaluate_policy,
+    response_nll_by_row,
+)
 from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.rollout.episodes import EpisodeSampler
@@ -178,6 +184,14 @@ def paired_metrics(before: PolicyEvaluation, after: PolicyEvaluation) -> dict[st
     return metrics
 
 
+def _regression_rows(tokenizer: Any, data: DataConfig) -> list[PromptResponseIds]:
+    """data.regression's records, encoded as SFT encodes its pairs (none without the file)."""
+    if data.regression is None:
+        return []
+    examples = load_sft_examples(data.regression, data.storage_options)  # an empty file: a DataError naming it
+    return [encode_pair(tokenizer, ex.prompt, ex.response, REGRESSION_MAX_TOKENS, ex.tools) for ex in examples]
+
+
 def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOutcome:
     """Evaluate the start (step 0 of the metrics) and final (step 1) policy on the same prompts
     with the same sampling seed; the outcome holds both as gold_score_before/after etc."""
@@ -205,6 +219,8 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
     results: dict[str, Any] = {}
     measured = []
     episodes = None if stage_inputs.env is None else EpisodeSampler(stage_inputs.env, tokenizer)
+    regression_rows = _regression_rows(tokenizer, data)
+    regression: list[tuple[float, ...]] = []  # [before, after] each row's NLL (nats per response token)
     for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):
         policy = load_policy(path, **kw).eval()
         evaluation = evaluate_policy(
@@ -218,11 +234,17 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
             eval_cfg.num_logged_samples,
             episodes=episodes,
         )
+        if regression_rows:
+            regression.append(response_nll_by_row(policy, regression_rows, tokenizer.pad_token_id))
+            evaluation.metrics["eval/regression_nll"] = sum(regression[-1]) / len(regression[-1])
         ctx.sink.log_metrics(evaluation.metrics, step)
         ctx.sink.log_table(f"eval_samples_{name}.json", evaluation.samples)
         results[name] = {"metrics": evaluation.metrics, "samples": evaluation.samples}
         measured.append(evaluation)
     paired = paired_metrics(*measured)
+    if regression:
+        increase, increase_se = paired_difference(*regression)
+        paired |= {"eval/regression_nll_increase": increase, "eval/regression_nll_increase_stderr": increase_se}
     ctx.sink.log_metrics(paired, 1)
     results["paired"] = paired
     with ctx.store.writer(0) as writer:

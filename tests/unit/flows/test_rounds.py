@@ -270,6 +270,9 @@ def test_the_summary_row_reads_the_evaluation_and_the_reward_models_accuracy():
         "judge_score_after": None,
         "judge_gain_stderr": None,
         "judge_agreement": None,
+        "regression_nll_before": None,  # no fixed regression set (data.regression)
+        "regression_nll_after": None,
+        "regression_nll_increase_stderr": None,
     }
     judged = {"judge_score_before": 0.5, "judge_score_after": 0.3, "judge_gain_stderr": 0.04, "judge_agreement": 0.2}
     judged_row = _summary_row(1, rm, result("eval", EVAL_METRICS | judged))

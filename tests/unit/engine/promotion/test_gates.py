@@ -28,6 +28,9 @@ ROW = {
     "judge_score_after": 0.30,
     "judge_gain_stderr": 0.05,
     "judge_agreement": 0.25,
+    "regression_nll_before": 2.0,
+    "regression_nll_after": 2.3,
+    "regression_nll_increase_stderr": 0.1,
 }
 
 
@@ -45,6 +48,8 @@ def test_each_metric_is_computed_from_the_row_by_its_formula():
     assert values["judge_gain"] == pytest.approx(-0.2)  # the judge fell while the reward model's score rose
     assert values["judge_gain_z"] == pytest.approx(-4.0)  # -0.2 / 0.05
     assert values["judge_agreement"] == 0.25
+    assert values["regression_nll_increase"] == pytest.approx(0.3)  # 2.3 - 2.0 nats per token
+    assert values["regression_nll_increase_z"] == pytest.approx(3.0)
     no_judge = {k: v for k, v in ROW.items() if not k.startswith("judge")}
     assert [GATE_METRICS[k](no_judge) for k in ("judge_gain", "judge_gain_z", "judge_agreement")] == [None] * 3
 

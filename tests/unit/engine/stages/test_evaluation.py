@@ -155,3 +155,19 @@ def test_a_judge_scores_every_answer_as_a_rule_or_as_a_second_reward_model(tiny)
     assert by_model.judge == pytest.approx(tuple(last)) and len(set(last)) > 1  # each answer its own score
     no_judge = evaluate_policy(policy, tokenizer, prompts, ScoringModels(None, None, policy, policy, gold), SAMPLING, 9)
     assert no_judge.judge is None and "eval/judge_score" not in no_judge.metrics
+
+
+def test_each_rows_response_nll_is_its_own_heldout_loss_whatever_the_batch(tiny):
+    from rlflow.engine.data.batching import encode_pair
+    from rlflow.engine.stages.evaluation import response_nll_by_row
+    from rlflow.engine.stages.sft import heldout_loss
+
+    policy, tokenizer = tiny
+    pairs = [("1 + 1 =", "2"), ("describe the river .", "the river is calm and wide ."), ("hello", "hi there")]
+    rows = [encode_pair(tokenizer, p, r, 64) for p, r in pairs]
+    pad = tokenizer.pad_token_id
+    batched = response_nll_by_row(policy, rows, pad, batch_size=8)
+    # heldout_loss of one row is that row's mean NLL per response token: an independent formula
+    assert batched == pytest.approx([heldout_loss(policy, [row], pad) for row in rows], rel=1e-5)
+    assert response_nll_by_row(policy, rows, pad, batch_size=1) == pytest.approx(batched, rel=1e-5)  # padding-free
+    assert len(set(batched)) == 3 and min(batched) > 0

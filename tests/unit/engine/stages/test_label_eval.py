@@ -5,6 +5,7 @@ share), and the round's evaluation of its start and final policy."""
 import json
 
 import pytest
+import torch
 
 from conftest import RecordingSink, small_config_tree
 from helpers.stage_ctx import make_ctx
@@ -12,7 +13,10 @@ from rlflow.engine.config.promotion import PromotionConfig, PromotionGate
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.promotion.gates import decide_promotion
 from rlflow.engine.config.schema import build_config
-from rlflow.engine.stages.evaluation import PolicyEvaluation
+from rlflow.engine.data.batching import encode_pair
+from rlflow.engine.errors import DataError
+from rlflow.engine.models.loading import load_policy, load_tokenizer
+from rlflow.engine.stages.evaluation import PolicyEvaluation, response_nll_by_row
 from rlflow.engine.stages.label_eval import (
     PAIRS_EVAL_FILE,
     PAIRS_FILE,
@@ -127,3 +131,33 @@ def test_the_judges_gain_and_its_agreement_with_the_reward_model_are_paired_by_p
     no_judge = PolicyEvaluation({}, [], (0.0,), (1.0,))
     plain = {"eval/gold_gain", "eval/gold_gain_stderr", "eval/valid_drop", "eval/valid_drop_stderr"}
     assert set(paired_metrics(no_judge, no_judge)) == plain
+
+
+def test_a_fixed_regression_set_is_scored_for_start_and_candidate_and_paired(cfg, small_assets, tmp_path):
+    start = str(small_assets / "tiny-model")
+    moved = tmp_path / "moved"
+    model = load_policy(start)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    model.save_pretrained(moved)
+    load_tokenizer(start).save_pretrained(moved)
+    rows = [{"prompt": "describe the river .", "response": "the river is calm ."}, {"prompt": "hi", "response": "hello"}]
+    regression = tmp_path / "regression.jsonl"
+    regression.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = cfg.data.model_copy(update={"regression": str(regression)})
+    eval_cfg = cfg.eval.model_copy(update={"num_prompts": 4})
+    paths = EvalInputs(start, str(moved), start, start, reward_model=None, score_norm=None)
+    inputs = EvalStageInputs(paths, cfg.model, data, eval_cfg, SAMPLING, lambda prompt, response, **f: 0.0)
+    m = run_eval_stage(make_ctx(tmp_path, "eval"), inputs).metrics
+    tokenizer = load_tokenizer(start)
+    encoded = [encode_pair(tokenizer, r["prompt"], r["response"], 1024) for r in rows]
+    per_row = {p: response_nll_by_row(load_policy(p), encoded, tokenizer.pad_token_id) for p in (start, str(moved))}
+    assert m["regression_nll_before"] == pytest.approx(sum(per_row[start]) / 2, rel=1e-5)
+    assert m["regression_nll_after"] == pytest.approx(sum(per_row[str(moved)]) / 2, rel=1e-5)
+    diffs = [a - b for a, b in zip(per_row[str(moved)], per_row[start])]
+    assert m["regression_nll_increase"] == pytest.approx(sum(diffs) / 2, rel=1e-4)
+    assert m["regression_nll_increase_stderr"] == pytest.approx(abs(diffs[0] - diffs[1]) / 2, rel=1e-4)
+    regression.write_text("")
+    with pytest.raises(DataError, match=r"regression.jsonl contains no records"):
+        run_eval_stage(make_ctx(tmp_path / "again", "eval"), inputs)
