@@ -36,11 +36,13 @@ class PromotionGate(Section):
 
 def _default_gates() -> list[PromotionGate]:
     # Checks that need no gold: the policy must not lose its format, collapse in diversity or drift in
-    # length. Thresholds from the demo's rounds (docs/promotion.md). Distinct-2 is optional: answers
-    # of one word (demo-arith's sums) have no word pairs, so it is not measured there.
+    # length. Thresholds from the demo's rounds (docs/promotion.md): a valid share that falls 0.15 from
+    # a fully valid start ends at 0.85; distinct-2 at 0.8 of the start rejected rounds that raised the
+    # gold by 0.18-0.27 at a valid share of 0.87-0.98, 0.6 still rejects a KL-free collapse (0.49).
+    # Distinct-2 is optional: answers of one word (demo-arith's sums) have no word pairs.
     return [
-        PromotionGate(metric="valid_drop", max=0.1),
-        PromotionGate(metric="distinct_2_ratio", min=0.8, optional=True),
+        PromotionGate(metric="valid_drop", max=0.15),
+        PromotionGate(metric="distinct_2_ratio", min=0.6, optional=True),
         PromotionGate(metric="length_ratio", min=0.5, max=2.0),
     ]
 
