@@ -48,8 +48,9 @@ def _default_gates() -> list[PromotionGate]:
 
 
 class PromotionConfig(Section):
-    enabled: bool = False
-    """Check each round's candidate against the gates; a rejected one is not the next round's start."""
+    enabled: bool = True
+    """Check each round's candidate against the gates; a rejected one is not the next round's start
+    (false: every round's policy is the next round's start, as before promotion existed)."""
     gates: list[PromotionGate] = Field(default_factory=_default_gates)
     """Every gate must pass for a promotion (each {metric, min and/or max, optional})."""
     on_reject: Literal["continue", "pause", "fail"] = "continue"

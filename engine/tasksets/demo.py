@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlflow.engine.tasksets.demo_judge import JUDGE_FILE, write_second_rater
+
 TOPICS = (
     "river forest city garden ocean mountain market library winter harbor desert village storm kitchen train festival"
 ).split()
@@ -123,6 +125,12 @@ def make_preference_rows(rng: random.Random, n: int, noise: float) -> list[dict[
     return rows
 
 
+def second_rater_pairs(seed: int, n: int, noise: float) -> list[dict[str, str]]:
+    """The independent judge's labelled pairs (engine/tasksets/demo_judge.py): the same generator on
+    a stream of its own, so its raters never see the reward model's pairs."""
+    return make_preference_rows(random.Random(f"second-rater-{seed}"), n, noise=noise)
+
+
 def make_prompt_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
     return [{"prompt": _prompt(rng)[0]} for _ in range(n)]
 
@@ -200,14 +208,16 @@ def make_tiny_model(tokenizer, hidden: int = 128, layers: int = 2, seed: int = 0
 
 
 def make_demo_assets(out_dir: str | Path, seed: int = 1234, sizes: dict[str, int] | None = None) -> Path:
-    """Write data/*.jsonl and tiny-model/ (weights + tokenizer) under out_dir; returns out_dir.
+    """Write data/*.jsonl, tiny-model/ (weights + tokenizer) and the judge's weights (JUDGE_FILE)
+    under out_dir; returns out_dir.
 
     Deterministic for a seed; skipped when out_dir/ASSETS_OK already records the same settings.
     """
     out = Path(out_dir)
-    n = {"sft": 4000, "sft_eval": 256, "prefs": 3000, "prefs_eval": 600, "prompts": 2048, "eval_prompts": 512}
+    n = {"sft": 4000, "sft_eval": 256, "prefs": 3000, "prefs_eval": 600, "prompts": 2048, "eval_prompts": 512,
+         "judge_pairs": 2000}
     n.update(sizes or {})
-    stamp = json.dumps({"seed": seed, "sizes": n, "version": 1}, sort_keys=True)
+    stamp = json.dumps({"seed": seed, "sizes": n, "version": 2}, sort_keys=True)
     marker = out / "ASSETS_OK"
     if marker.exists() and marker.read_text() == stamp:
         return out
@@ -217,7 +227,8 @@ def make_demo_assets(out_dir: str | Path, seed: int = 1234, sizes: dict[str, int
     write_jsonl(data / "sft.jsonl", sft)
     write_jsonl(data / "sft_eval.jsonl", make_sft_rows(rng, n["sft_eval"]))
     write_jsonl(data / "preferences.jsonl", make_preference_rows(rng, n["prefs"], noise=0.1))
-    write_jsonl(data / "preferences_eval.jsonl", make_preference_rows(rng, n["prefs_eval"], noise=0.0))
+    held_out = make_preference_rows(rng, n["prefs_eval"], noise=0.0)
+    write_jsonl(data / "preferences_eval.jsonl", held_out)
     write_jsonl(data / "prompts.jsonl", make_prompt_rows(rng, n["prompts"]))
     write_jsonl(data / "eval_prompts.jsonl", make_prompt_rows(rng, n["eval_prompts"]))
     corpus = [f"{r['prompt']} {r['response']}" for r in sft] + [" ".join(sorted(VOCABULARY))]
@@ -226,6 +237,9 @@ def make_demo_assets(out_dir: str | Path, seed: int = 1234, sizes: dict[str, int
     model = make_tiny_model(tokenizer, seed=seed)
     model.save_pretrained(out / "tiny-model")
     tokenizer.save_pretrained(out / "tiny-model")
+    # The independent judge (engine/tasksets/demo_judge.py): another rater pool, noisier, on a stream of its own.
+    judge_pairs = second_rater_pairs(seed, n["judge_pairs"], noise=0.2)
+    write_second_rater(out / JUDGE_FILE, judge_pairs, held_out, noise=0.2)
     marker.write_text(stamp)
     return out
 

@@ -7,9 +7,9 @@ from rlflow.engine.promotion.gates import decide_promotion
 from rlflow.engine.config.promotion import PromotionConfig, PromotionGate
 
 
-def test_the_defaults_are_off_with_three_gates_that_need_no_gold():
+def test_the_defaults_are_on_with_three_gates_that_need_no_gold():
     config = PromotionConfig()
-    assert config.enabled is False and config.on_reject == "continue"
+    assert config.enabled is True and config.on_reject == "continue"
     assert [(g.metric, g.min, g.max, g.optional) for g in config.gates] == [
         ("valid_drop", None, 0.15, False),
         ("distinct_2_ratio", 0.6, None, True),  # one-word answers have no word pairs

@@ -99,8 +99,10 @@ def test_a_grpo_config_says_what_it_estimates(tiny_model, capsys):
     out = capsys.readouterr().out
     assert "algorithm: GRPO: 16 prompts x 4 samples = 64 rows per step, no critic, KL in the loss" in out
     assert "GRPO is critic-free" in out and "critic weights" not in out and "time per GRPO step (s)" in out
-    rules = "reward.sources=[{name: len, type: length, kwargs: {target: 5}}]"
-    report = run_json(capsys, DEMO, f"model.path={tiny_model}", *grpo, rules, "--gpu", "cpu")
+    # the demo's reward reads its reward model, a valid rule and a judge: a rule alone leaves none of them
+    rules = ["reward.sources=[{name: len, type: length, kwargs: {target: 5}}]", "reward.valid=null", "reward.judge=null"]
+    rules += ["hacking.enabled=false", "reward.uncertainty_penalty=0"]
+    report = run_json(capsys, DEMO, f"model.path={tiny_model}", *grpo, *rules, "--gpu", "cpu")
     assert report["algorithm"] == "grpo" and report["workload"]["critic"] is None
     assert report["workload"]["reward"] is None and report["configured"]["memory_gib"]["scoring"]["reward_weights"] == 0
 
@@ -110,7 +112,7 @@ def test_a_dpo_config_is_estimated_from_its_preference_pairs(tiny_model, tmp_pat
     (tmp_path / "prefs.jsonl").write_text("\n".join(json.dumps(p) for p in (pair, pair, pair | {"rejected": "a"})))
     (tmp_path / "eval.jsonl").write_text(json.dumps(pair))
     data = [f"data.preferences={tmp_path / 'prefs.jsonl'}", f"data.preferences_eval={tmp_path / 'eval.jsonl'}"]
-    dpo = ["algorithm.name=dpo", "label.online_from_round=null", "dpo.batch_size=2", *data]
+    dpo = ["algorithm.name=dpo", "hacking.enabled=false", "label.online_from_round=null", "dpo.batch_size=2", *data]
     assert main(["estimate", DEMO, f"model.path={tiny_model}", *dpo, "--gpu", "cpu"]) == 0
     out = capsys.readouterr().out  # the tied pair carries no preference: 2 pairs, 1 step per epoch
     assert "algorithm: DPO: 2 pairs x 1 epoch(s) = 1 step(s) of 2 pairs, reference pass once over 3 pairs" in out
@@ -122,7 +124,7 @@ def test_a_dpo_config_is_estimated_from_its_preference_pairs(tiny_model, tmp_pat
     assert configured["total_hours"] == pytest.approx(
         (configured["step_seconds"]["total"] * 50 + configured["setup_seconds"]) / 3600
     )
-    assert main(["estimate", DEMO, "algorithm.name=dpo", "--reward-model", "7B", "--pairs", "9"]) == 2
+    assert main(["estimate", DEMO, "algorithm.name=dpo", "hacking.enabled=false", "--reward-model", "7B", "--pairs", "9"]) == 2
     assert "trains without a reward model" in capsys.readouterr().err
 
 
