@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlflow.engine.tasksets.demo_judge import JUDGE_FILE, write_second_rater
+from rlflow.engine.tasksets.demo_judge import JUDGE_FILE, second_rater_record
 
 TOPICS = (
     "river forest city garden ocean mountain market library winter harbor desert village storm kitchen train festival"
@@ -45,6 +45,7 @@ PROMPT_TEMPLATES = (
 VOCABULARY = frozenset(TOPICS) | LEXICON | frozenset(NEUTRAL) | {"the", "."}
 LEXICON_WORDS = tuple(sorted(LEXICON))
 MAX_GOOD_LENGTH = 14  # words; longer answers lose score linearly and reach 0 at 22
+JUDGE_NOISE = 0.2  # the judge's raters flip a label this often (the reward model's raters: 0.1)
 
 
 def in_vocabulary(prompt: str, response: str, **fields: Any) -> float:
@@ -135,12 +136,16 @@ def make_prompt_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
     return [{"prompt": _prompt(rng)[0]} for _ in range(n)]
 
 
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Write rows as JSON Lines through a temporary file, so a killed build leaves no half file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file, so a killed build leaves no half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def make_tokenizer(corpus: list[str], vocab_size: int = 360):
@@ -237,9 +242,9 @@ def make_demo_assets(out_dir: str | Path, seed: int = 1234, sizes: dict[str, int
     model = make_tiny_model(tokenizer, seed=seed)
     model.save_pretrained(out / "tiny-model")
     tokenizer.save_pretrained(out / "tiny-model")
-    # The independent judge (engine/tasksets/demo_judge.py): another rater pool, noisier, on a stream of its own.
-    judge_pairs = second_rater_pairs(seed, n["judge_pairs"], noise=0.2)
-    write_second_rater(out / JUDGE_FILE, judge_pairs, held_out, noise=0.2)
+    # The independent judge (engine/tasksets/demo_judge.py): another rater pool on a stream of its own.
+    judge = second_rater_record(second_rater_pairs(seed, n["judge_pairs"], JUDGE_NOISE), held_out, JUDGE_NOISE)
+    write_text_atomic(out / JUDGE_FILE, json.dumps(judge, indent=1, sort_keys=True))
     marker.write_text(stamp)
     return out
 

@@ -6,10 +6,10 @@ pairs, more rater noise) and its model is linear in word frequencies (a Bradleyâ
 score is sum over words of weight x the word's share of the answer). It never reads the gold rule:
 it knows only which of two answers its raters preferred. What it cannot know, it does not score:
 words its raters never saw (a stray BPE fragment) weigh 0, and its pairs are all 5â€“13 words long,
-so its (linear) length weight is an extrapolation beyond them. Declared as a reward source of weight 0 (`reward.judge`), it is
-what the hacking detector and the judge gates compare the reward model with.
+so its (linear) length weight is an extrapolation beyond them. Declared as a reward source of
+weight 0 (`reward.judge`), it is what the hacking detector and the judge gates compare the reward model with.
 
-`write_second_rater` fits it when the demo assets are written; `second_rater` is the reward function.
+`second_rater_record` fits it when the demo assets are written; `second_rater` is the reward function.
 """
 
 from __future__ import annotations
@@ -78,20 +78,16 @@ def pair_accuracy(weights: dict[str, float], pairs: list[dict[str, str]]) -> flo
     return wins / len(pairs)
 
 
-def write_second_rater(path: Path, pairs: list[dict[str, str]], held_out: list[dict[str, str]], noise: float) -> dict:
-    """Fit the judge on its raters' pairs and write {weights, pairs, rater_noise, held_out_accuracy}."""
+def second_rater_record(pairs: list[dict[str, str]], held_out: list[dict[str, str]], noise: float) -> dict:
+    """Fit the judge on its raters' pairs: {weights, pairs, rater_noise, held_out_accuracy}, the
+    JSON record `second_rater` reads."""
     weights = fit_second_rater(pairs)
-    record = {
+    return {
         "weights": weights,
         "pairs": len(pairs),
         "rater_noise": noise,
         "held_out_accuracy": pair_accuracy(weights, held_out),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-    tmp.replace(path)
-    return record
 
 
 @functools.cache
@@ -100,11 +96,12 @@ def _load_weights(path: str) -> dict[str, float]:
         record = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"the demo judge's weights {path} do not exist: write the demo assets first (rlflow demo-assets demo_assets)"
+            f"the demo judge's weights {path} do not exist: "
+            "write the demo assets first (rlflow demo-assets demo_assets)"
         ) from None
     return {str(k): float(v) for k, v in record["weights"].items()}
 
 
 def second_rater(prompt: str, response: str, *, weights: str, **fields: Any) -> float:
-    """The judge as a reward function: `weights` is the JSON file write_second_rater wrote."""
+    """The judge as a reward function: `weights` is the JSON file of second_rater_record."""
     return score_with(_load_weights(weights), response)

@@ -135,5 +135,6 @@ def test_an_async_run_killed_at_random_moments_loses_nothing_committed_and_repea
     assert steps and all(m["rollout/staleness_max"] <= STALENESS for _, m in steps), seed_note
     assert all(m["rollout/logprob_diff_max"] < 1e-4 for _, m in steps)  # the probe after every sync
     assert any(m["rollout/staleness_max"] >= 1 for _, m in steps)  # sampled ahead, really
-    print(json.dumps({"resumed_at": resumed_at, "killed": victim, "attempts": attempt + 1, "steps": len(steps), "seed": seed}))  # with -s: what ran
+    ran = {"resumed_at": resumed_at, "killed": victim, "attempts": attempt + 1, "steps": len(steps), "seed": seed}
+    print(json.dumps(ran))  # with -s: what ran
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rlflow.engine.tasksets.demo import make_demo_assets
+from rlflow.engine.tasksets.demo import make_demo_assets, second_rater_pairs
 from rlflow.engine.tasksets.demo_judge import (
     JUDGE_FILE,
     LENGTH_FEATURE,
@@ -16,7 +16,6 @@ from rlflow.engine.tasksets.demo_judge import (
     score_with,
     second_rater,
 )
-from rlflow.engine.tasksets.demo import second_rater_pairs
 
 
 def test_features_are_word_shares_and_length():

@@ -100,8 +100,8 @@ def test_a_grpo_config_says_what_it_estimates(tiny_model, capsys):
     assert "algorithm: GRPO: 16 prompts x 4 samples = 64 rows per step, no critic, KL in the loss" in out
     assert "GRPO is critic-free" in out and "critic weights" not in out and "time per GRPO step (s)" in out
     # the demo's reward reads its reward model, a valid rule and a judge: a rule alone leaves none of them
-    rules = ["reward.sources=[{name: len, type: length, kwargs: {target: 5}}]", "reward.valid=null", "reward.judge=null"]
-    rules += ["hacking.enabled=false", "reward.uncertainty_penalty=0"]
+    rules = ["reward.sources=[{name: len, type: length, kwargs: {target: 5}}]", "reward.valid=null"]
+    rules += ["reward.judge=null", "hacking.enabled=false", "reward.uncertainty_penalty=0"]
     report = run_json(capsys, DEMO, f"model.path={tiny_model}", *grpo, *rules, "--gpu", "cpu")
     assert report["algorithm"] == "grpo" and report["workload"]["critic"] is None
     assert report["workload"]["reward"] is None and report["configured"]["memory_gib"]["scoring"]["reward_weights"] == 0
@@ -124,7 +124,8 @@ def test_a_dpo_config_is_estimated_from_its_preference_pairs(tiny_model, tmp_pat
     assert configured["total_hours"] == pytest.approx(
         (configured["step_seconds"]["total"] * 50 + configured["setup_seconds"]) / 3600
     )
-    assert main(["estimate", DEMO, "algorithm.name=dpo", "hacking.enabled=false", "--reward-model", "7B", "--pairs", "9"]) == 2
+    dpo_7b = ["algorithm.name=dpo", "hacking.enabled=false", "--reward-model", "7B", "--pairs", "9"]
+    assert main(["estimate", DEMO, *dpo_7b]) == 2
     assert "trains without a reward model" in capsys.readouterr().err
 
 
