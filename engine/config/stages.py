@@ -26,6 +26,11 @@ class SFTConfig(SupervisedSection):
     """Held-out evals without a 1% improvement before stopping."""
     log_every: int = Field(10, ge=1)
     """Log metrics every this many steps."""
+    assistant_turns: Literal["all", "last"] = "all"
+    """Which assistant turns of a `messages` row SFT learns: all (each with its EOS, the messages
+    between them laid out as a multi-turn episode's observations and not learned; needs a chat
+    template) or last (the earlier turns are context). A `prompt` + `response` row learns its
+    response either way."""
 
 
 class RewardModelConfig(SupervisedSection):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from rlflow.engine.data.records import format_prompt
+from rlflow.engine.data.records import SFTExample, format_prompt
+from rlflow.engine.envs.chat import ConversationEncoder
 from rlflow.engine.seeds import step_seed
 
 
@@ -15,6 +17,12 @@ from rlflow.engine.seeds import step_seed
 class PromptResponseIds:
     prompt: list[int]
     response: list[int]  # ends with EOS when the text was complete
+    # 1.0 on the response ids that carry loss, 0.0 on the observations between a conversation's
+    # assistant turns; None: every response id does.
+    learned: tuple[float, ...] | None = None
+
+    def response_mask(self) -> list[float]:
+        return list(self.learned) if self.learned is not None else [1.0] * len(self.response)
 
 
 def encode_pair(
@@ -27,6 +35,40 @@ def encode_pair(
     response_ids = response_ids[: max(1, max_tokens - 1)]
     prompt_ids = prompt_ids[-max(1, max_tokens - len(response_ids)) :]
     return PromptResponseIds(prompt_ids, response_ids)
+
+
+def encode_conversation(
+    tokenizer: Any, example: SFTExample, max_tokens: int, encoders: dict[str, ConversationEncoder] | None = None
+) -> PromptResponseIds:
+    """Ids of a conversation with every assistant turn learned, laid out as a multi-turn episode's
+    trajectory is (engine/envs/chat.py): the messages before the first assistant turn rendered
+    with the generation prompt, then each assistant turn's text + EOS (learned), then the
+    messages up to the next one as the template's observation ids. So SFT trains on the ids RL
+    samples from, never on a re-rendering of turns the model writes itself. Cut to max_tokens as
+    encode_pair cuts (the later turns go first). `encoders`: reused per tool set across calls."""
+    turns = [*example.prompt, {"role": "assistant", "content": example.response}]
+    encoders = {} if encoders is None else encoders
+    key = json.dumps(example.tools, sort_keys=True)
+    if key not in encoders:
+        encoders[key] = ConversationEncoder(tokenizer, list(example.tools))
+    encoder = encoders[key]
+    # An opening assistant turn (nothing before it to answer) stays context.
+    first = next(i for i in range(1, len(turns)) if turns[i]["role"] == "assistant")
+    prompt, response, learned, between = encoder.prompt_ids(turns[:first]), [], [], []
+    eos = tokenizer.eos_token_id
+    for turn in turns[first:]:
+        if turn["role"] != "assistant":
+            between.append(turn)
+            continue
+        if response:
+            observation = encoder.observation_ids(between, eos)
+            response, learned, between = response + observation, learned + [0.0] * len(observation), []
+        ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [eos]
+        response, learned = response + ids, learned + [1.0] * len(ids)
+    keep = max(1, max_tokens - 1)
+    response, learned = response[:keep], learned[:keep]
+    prompt = prompt[-max(1, max_tokens - len(response)) :]
+    return PromptResponseIds(prompt, response, tuple(learned))
 
 
 def right_pad(rows: Sequence[PromptResponseIds], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,7 +86,7 @@ def right_pad(rows: Sequence[PromptResponseIds], pad_id: int) -> tuple[torch.Ten
         n_p, n = len(r.prompt), len(r.prompt) + len(r.response)
         ids[i, :n] = torch.tensor(r.prompt + r.response)
         attention[i, :n] = 1
-        response_mask[i, n_p:n] = 1.0
+        response_mask[i, n_p:n] = torch.tensor(r.response_mask())
     return ids, attention, response_mask
 
 
@@ -138,7 +180,7 @@ def pack_rows(rows: Sequence[PromptResponseIds]) -> PackedRows:
         n = len(r.prompt) + len(r.response)
         ids += r.prompt + r.response
         positions += range(n)
-        mask += [0.0] * len(r.prompt) + [1.0] * len(r.response)
+        mask += [0.0] * len(r.prompt) + r.response_mask()
         total += n
         ends.append(total - 1)
     return PackedRows(

@@ -56,6 +56,9 @@ class SFTExample:
     prompt: Prompt
     response: str
     tools: tuple[dict, ...] = ()  # function schemas the chat template shows (the row's `tools`)
+    # A `messages` row: the assistant turns in `prompt` are demonstrations too, which SFT learns
+    # with sft.assistant_turns: all. A `prompt` + `response` row's prompt is context only.
+    whole_conversation: bool = False
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,7 @@ def _parse_messages(url: str, lineno: int, messages: Any) -> SFTExample:
     where = f"{url}:{lineno}: field 'messages'"
     shape = "a list of at least 2 {role, content} objects ending with the assistant turn"
     history, response = split_last_assistant(where, parse_turns(where, messages, 2, shape))
-    return SFTExample(prompt=history, response=response)
+    return SFTExample(prompt=history, response=response, whole_conversation=True)
 
 
 def _implicit_prompt_pair(url: str, lineno: int, row: dict) -> PreferencePair:
@@ -322,7 +325,8 @@ def load_sft_examples(url: str, storage_options: dict | None = None) -> list[SFT
         else:
             prompt = parse_prompt(url, lineno, row, _SFT_HINT)
             example = SFTExample(prompt=prompt, response=require_str(url, lineno, row, "response", _SFT_HINT))
-        examples.append(SFTExample(example.prompt, example.response, parse_tools(url, lineno, row.get("tools"))))
+        tools = parse_tools(url, lineno, row.get("tools"))
+        examples.append(SFTExample(example.prompt, example.response, tools, example.whole_conversation))
     return examples
 
 

@@ -12,6 +12,7 @@ from rlflow.engine.data.batching import (
     PackedRows,
     PromptResponseIds,
     batch_indices,
+    encode_conversation,
     encode_pair,
     pack_rows,
     rank_shard,
@@ -20,7 +21,8 @@ from rlflow.engine.data.batching import (
 from rlflow.engine.config.schema import DataConfig
 from rlflow.engine.config.stages import SFTConfig
 from rlflow.engine.config.model import ModelConfig
-from rlflow.engine.data.records import load_sft_examples
+from rlflow.engine.data.records import SFTExample, load_sft_examples
+from rlflow.engine.errors import DataError
 from rlflow.engine.models.loading import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.models.lm_head import next_token_logprobs
 from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
@@ -73,6 +75,20 @@ def heldout_loss(model: torch.nn.Module, rows: list[PromptResponseIds], pad_id: 
     return float(total_count[0]) / max(float(total_count[1]), 1.0)
 
 
+def encode_sft_example(tokenizer: Any, example: SFTExample, cfg: SFTConfig, encoders: dict) -> PromptResponseIds:
+    """A row's ids and loss positions: a conversation's every assistant turn with
+    sft.assistant_turns: all (encode_conversation), else the response after its prompt."""
+    earlier = [t for t in example.prompt[1:] if t["role"] == "assistant"] if example.whole_conversation else []
+    if cfg.assistant_turns == "last" or not earlier:
+        return encode_pair(tokenizer, example.prompt, example.response, cfg.max_seq_tokens, example.tools)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"data.sft: a 'messages' row holds {len(earlier) + 1} assistant turns and the tokenizer has no chat "
+            "template to mark where each ends: set data.chat_template: auto with a tokenizer that has one, or "
+            "sft.assistant_turns: last (the earlier turns become context)")
+    return encode_conversation(tokenizer, example, cfg.max_seq_tokens, encoders)
+
+
 @dataclass(frozen=True)
 class SFTStageInputs:
     """What the SFT stage needs, built once by the worker (engine/stages/worker.py)."""
@@ -99,7 +115,8 @@ def run_sft_stage(ctx: StageContext, inputs: SFTStageInputs, start: StageStart) 
     if inputs.model.lora_for("sft"):
         ctx.sink.log_metrics(lora_metrics("policy", engine.model), 0)
     engine.train()
-    encode = lambda ex: encode_pair(tokenizer, ex.prompt, ex.response, cfg.max_seq_tokens, ex.tools)
+    encoders: dict = {}  # one ConversationEncoder per tool set
+    encode = lambda ex: encode_sft_example(tokenizer, ex, cfg, encoders)  # noqa: E731
     train_rows = [encode(ex) for ex in load_sft_examples(data.sft, data.storage_options)]
     eval_rows = [encode(ex) for ex in load_sft_examples(data.sft_eval, data.storage_options)]
     step, state = 0, {"best_eval_loss": float("inf"), "bad_evals": 0}

@@ -8,9 +8,10 @@ operand and trust what comes back (WRONG_ARGUMENTS_SHARE). A policy trained on t
 sampled at temperature 1, and only the episodes that call with the right arguments are right: that
 is the headroom GRPO on the exact-match verifier recovers.
 
-Each demonstration is one SFT row per assistant turn (the call; the answer after the tool's
-result), each with the calculator's schema in `tools`, so SFT's prompts are the ids an episode's
-turn starts from. Held-out problems never appear in the training files.
+Each demonstration is one SFT row, the whole conversation with the calculator's schema in `tools`:
+SFT learns both assistant turns (the call; the answer after the tool's result) on the ids an
+episode lays out (engine/data/batching.py encode_conversation). Held-out problems never appear in
+the training files.
 
 Run `rlflow demo-assets --task tools` to write the assets (deterministic, a few seconds).
 """
@@ -34,7 +35,7 @@ PROMPT_TEMPLATE = "what is {a} {op} {b} ?"
 GUESS_SHARE = 0.3  # demonstrations that answer without the tool
 WRONG_ARGUMENTS_SHARE = 0.2  # demonstrations that call it with one operand digit mistyped
 DEFAULT_DIR = "demo_assets/tools"
-ASSETS_VERSION = 1
+ASSETS_VERSION = 2  # 2: one SFT row per demonstration (1: one per assistant turn)
 
 Problem = tuple[int, str, int]
 
@@ -89,10 +90,9 @@ def demonstration(problem: Problem, rng: random.Random) -> list[dict[str, str]]:
             {"role": "assistant", "content": result}]
 
 
-def sft_rows(conversation: list[dict[str, str]]) -> list[dict[str, Any]]:
-    """One row per assistant turn (SFT learns a row's last one), each with the calculator's schema."""
-    return [{"messages": conversation[: i + 1], "tools": [CALCULATOR.schema()]}
-            for i, turn in enumerate(conversation) if turn["role"] == "assistant"]
+def sft_row(conversation: list[dict[str, str]]) -> dict[str, Any]:
+    """The demonstration as one row with the calculator's schema: SFT learns each assistant turn."""
+    return {"messages": conversation, "tools": [CALCULATOR.schema()]}
 
 
 def draw_problems(rng: random.Random, n: int, exclude: set[Problem]) -> list[Problem]:
@@ -145,8 +145,8 @@ def make_tools_assets(
     held_out = draw_problems(rng, n["eval_prompts"] + n["sft_eval"], set())
     train = draw_problems(rng, n["sft"] + n["prompts"], set(held_out))
     data = out / "data"
-    sft = [row for p in train[: n["sft"]] for row in sft_rows(demonstration(p, rng))]
-    sft_eval = [row for p in held_out[n["eval_prompts"]:] for row in sft_rows(demonstration(p, rng))]
+    sft = [sft_row(demonstration(p, rng)) for p in train[: n["sft"]]]
+    sft_eval = [sft_row(demonstration(p, rng)) for p in held_out[n["eval_prompts"]:]]
     write_jsonl(data / "sft.jsonl", sft)
     write_jsonl(data / "sft_eval.jsonl", sft_eval)
     write_jsonl(data / "prompts.jsonl", [prompt_row(p) for p in train[n["sft"]:]])

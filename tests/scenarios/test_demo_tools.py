@@ -1,6 +1,6 @@
 """`make demo-tools` at a reduced size: the shipped config (configs/demo_tools.yaml) with its assets
 built small, through the real CLI, a real Prefect server and a real MLflow store. The demo's pieces
-must fit together: SFT on one-row-per-turn demonstrations with `tools`, GRPO over calculator
+must fit together: SFT on whole demonstrations with `tools` (both assistant turns learned), GRPO over calculator
 episodes, and an evaluation that scores the final answer and logs the episodes with their calls."""
 
 import json

@@ -1,10 +1,10 @@
 """Multi-turn RLHF on a tiny Llama with the demo's chat tokenizer: a two-turn dataset through one
 step each of SFT, the reward model and GRPO, and online labels of two continuations of one history.
 
-Every stage must see the conversation as the chat template renders it: SFT learns the final
-assistant turn only, the reward model scores the last assistant turn after its history, and GRPO
-samples the next assistant turn of a conversation whose earlier turns come from the data (only the
-sampled tokens carry loss)."""
+Every stage must see the conversation as the chat template renders it: SFT learns both assistant
+turns (the one in the history too; the user's turn between them is not learned), the reward model
+scores the last assistant turn after its history, and GRPO samples the next assistant turn of a
+conversation whose earlier turns come from the data (only the sampled tokens carry loss)."""
 
 import json
 
@@ -25,7 +25,7 @@ from rlflow.engine.stages.evaluation import encode_prompt_set
 from rlflow.engine.stages.label_eval import PAIRS_FILE, LabelStageInputs, run_label_stage
 from rlflow.engine.stages.reward_model import RewardModelStageInputs, run_reward_model_stage
 from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
-from rlflow.engine.stages.sft import SFTStageInputs, run_sft_stage
+from rlflow.engine.stages.sft import SFTStageInputs, encode_sft_example, run_sft_stage
 
 
 def turn(role, content):
@@ -93,19 +93,22 @@ def test_a_two_turn_dataset_through_sft_the_reward_model_and_grpo(chat_data, tmp
     tokenizer = load_tokenizer(cfg.model.path, chat_template="auto")
     conversation = history(12, 30, 5) + answer("the answer is 47")
 
-    # SFT: the loss covers the final assistant turn and its end of turn, not the first answer.
+    # SFT: the loss covers both assistant turns and their ends of turn, not the user's turns.
     example = load_sft_examples(cfg.data.sft)[0]
-    row = encode_pair(tokenizer, example.prompt, example.response, 256)
-    assert row.prompt == rendered_ids(tokenizer, conversation[:-1], True)
+    row = encode_sft_example(tokenizer, example, cfg.sft, {})
+    assert row.prompt == rendered_ids(tokenizer, conversation[:1], True)
     ids = row.prompt + row.response
     assert ids == rendered_ids(tokenizer, conversation, False)[: len(ids)]
     _, _, loss_mask = right_pad([row], tokenizer.pad_token_id)
-    assert tokenizer.decode(torch.tensor(ids)[loss_mask[0].bool()]) == "the answer is 47<|im_end|>"
+    learned = tokenizer.decode(torch.tensor(ids)[loss_mask[0].bool()])
+    assert learned == "the answer is 42<|im_end|>the answer is 47<|im_end|>"
     sink = RecordingSink()
     sft_inputs = SFTStageInputs(cfg.model.path, cfg.model, cfg.sft, cfg.data)
     sft = run_sft_stage(make_ctx(tmp_path, "sft", sink=sink), sft_inputs)
     sft_dir = f"{sft.checkpoint_uri}/model"
     assert len(sink.series("sft/loss")) == 1 and 0 < moved(cfg.model.path, sft_dir) < 1
+    tokens = [encode_sft_example(tokenizer, ex, cfg.sft, {}).learned for ex in load_sft_examples(cfg.data.sft)]
+    assert sink.series("sft/tokens")[0][1] == sum(sum(t) for t in tokens)  # the batch is the 4 rows
 
     # The reward model: each pair is scored as the whole conversation, history first.
     pair = load_preference_pairs(cfg.data.preferences)[0]

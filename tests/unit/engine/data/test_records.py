@@ -93,7 +93,7 @@ def test_parquet_round_trip_keeps_extra_fields(tmp_path):
 
 
 def test_messages_format_jsonl_and_parquet(tmp_path):
-    expected = [SFTExample(prompt=tuple(CHAT[:-1]), response="Hello!")]
+    expected = [SFTExample(prompt=tuple(CHAT[:-1]), response="Hello!", whole_conversation=True)]
     url = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     assert load_sft_examples(url) == expected
     path = tmp_path / "chat.parquet"

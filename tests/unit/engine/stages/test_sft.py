@@ -94,3 +94,31 @@ def test_sft_checkpoints_through_s3_and_resumes_from_there(small_assets, s3_buck
     fs.rm(f"{url}/run/round_0/sft/step_000004", recursive=True)
     resumed = run_sft_stage(ctx(), sft_inputs(cfg))
     assert resumed.resumed_from == 2 and resumed.step == 4
+
+
+def test_a_conversation_row_learns_every_assistant_turn_or_its_last_and_needs_a_template_for_all():
+    from helpers.chat_model import CORPUS
+    from rlflow.engine.config.stages import SFTConfig
+    from rlflow.engine.data.records import SFTExample
+    from rlflow.engine.errors import DataError
+    from rlflow.engine.stages.sft import encode_sft_example
+    from rlflow.engine.tasksets.demo import make_chat_tokenizer
+
+    tokenizer = make_chat_tokenizer(CORPUS)
+    turns = ({"role": "user", "content": "what is 12 plus 30"}, {"role": "assistant", "content": "result 17"},
+             {"role": "user", "content": "and"})
+    conversation = SFTExample(turns, "the answer is 42", whole_conversation=True)
+    learned = lambda row: tokenizer.decode([i for i, m in zip(row.response, row.response_mask()) if m])  # noqa: E731
+    every = encode_sft_example(tokenizer, conversation, SFTConfig(), {})
+    assert learned(every) == "result 17<|im_end|>the answer is 42<|im_end|>"
+    last = encode_sft_example(tokenizer, conversation, SFTConfig(assistant_turns="last"), {})
+    assert learned(last) == "the answer is 42<|im_end|>"
+    assert last.prompt + last.response == every.prompt + every.response
+    # A prompt + response row's earlier turns are context whatever the setting.
+    explicit = SFTExample(turns, "the answer is 42")
+    assert encode_sft_example(tokenizer, explicit, SFTConfig(), {}) == last
+    tokenizer.chat_template = None
+    with pytest.raises(DataError, match="holds 2 assistant turns .*chat_template: auto.*assistant_turns: last"):
+        encode_sft_example(tokenizer, conversation, SFTConfig(), {})
+    without = encode_sft_example(tokenizer, conversation, SFTConfig(assistant_turns="last"), {})
+    assert learned(without) == "the answer is 42<|im_end|>" and without.prompt != last.prompt  # joined text

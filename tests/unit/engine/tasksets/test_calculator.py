@@ -1,7 +1,7 @@
 """The tool-use demo task: its gold rule, the sloppy annotator (guesses and mistyped calls at the
 configured shares, a guess never right), its assets (deterministic, held-out problems held out, one
-SFT row per assistant turn) and SFT rows that are token for token the ids an episode's turn starts
-from."""
+SFT row per demonstration) and SFT rows that are token for token the ids an episode lays out, with
+each assistant turn learned."""
 
 import json
 import random
@@ -10,11 +10,12 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from rlflow.engine.data.batching import encode_pair
+from rlflow.engine.config.stages import SFTConfig
 from rlflow.engine.data.records import load_sft_examples
 from rlflow.engine.envs.chat import ConversationEncoder
 from rlflow.engine.envs.tool_calls import parse_hermes
 from rlflow.engine.envs.tools import CALCULATOR, calculator
+from rlflow.engine.stages.sft import encode_sft_example
 from rlflow.engine.tasksets.calculator import (
     GUESS_SHARE,
     WRONG_ARGUMENTS_SHARE,
@@ -99,23 +100,27 @@ def test_assets_are_deterministic_and_held_out_problems_are_held_out(assets, tmp
     sft = rows(assets, "sft")
     assert all(r["tools"] == [CALCULATOR.schema()] and r["messages"][-1]["role"] == "assistant" for r in sft)
     turns = [len(r["messages"]) for r in sft]
-    assert turns.count(2) == SIZES["sft"] and turns.count(4) == len(sft) - SIZES["sft"]  # guesses: one row
+    assert len(sft) == SIZES["sft"] and set(turns) == {2, 4}  # one row a demonstration: a guess, or call + answer
 
 
-def test_sft_rows_are_the_ids_an_episode_turn_starts_from(assets):
+def test_sft_rows_are_the_ids_an_episode_lays_out_and_learn_each_assistant_turn(assets):
     tokenizer = AutoTokenizer.from_pretrained(assets / "tiny-model")
     encoder = ConversationEncoder(tokenizer, [CALCULATOR.schema()])
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     examples = load_sft_examples(str(assets / "data" / "sft.jsonl"))
+    encoders: dict = {}
     for example in examples[:200]:
-        row = encode_pair(tokenizer, example.prompt, example.response, 512, example.tools)
-        history = list(example.prompt)
-        ids = encoder.prompt_ids(history[:1])  # the episode: its first messages, then ids only appended
-        if len(history) == 3:
-            ids += tokenizer(history[1]["content"], add_special_tokens=False)["input_ids"] + [end]
-            ids += encoder.observation_ids(history[2:], end)
-        assert row.prompt == ids
-        assert row.response[-1] == end
+        row = encode_sft_example(tokenizer, example, SFTConfig(max_seq_tokens=512), encoders)
+        turns = [*example.prompt, {"role": "assistant", "content": example.response}]
+        ids = encoder.prompt_ids(turns[:1])  # the episode: its first messages, then ids only appended
+        learned = encode(turns[1]["content"]) + [end]
+        ids += learned
+        if len(turns) == 4:
+            ids += encoder.observation_ids(turns[2:3], end) + encode(turns[3]["content"]) + [end]
+            learned += encode(turns[3]["content"]) + [end]
+        assert row.prompt + row.response == ids
+        assert [i for i, m in zip(row.response, row.response_mask()) if m] == learned
     number = tokenizer("4821", add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_ids_to_tokens(number) == list("4821")  # digit by digit
 
