@@ -8,7 +8,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo demo-arith demo-tools demo-real demo-real-tools demo-real-rlhf test test-slow clean up down status bench
+.PHONY: install demo demo-arith demo-tools demo-real demo-real-tools demo-real-rlhf
+.PHONY: test test-slow clean up down status bench
 
 install: $(STAMP)
 

@@ -75,7 +75,8 @@ class RunConfig(Section):
 class DataConfig(Section):
     sft: str = "demo_assets/data/sft.jsonl"
     """SFT rows (`prompt` + `response`, or chat `messages`: every assistant turn is learned, see
-    sft.assistant_turns): a JSONL, CSV or Parquet file or URL. Any `prompt` may be a conversation (docs/environments.md#conversations)."""
+    sft.assistant_turns): a JSONL, CSV or Parquet file or URL. Any `prompt` may be a conversation
+    (docs/environments.md#conversations)."""
     sft_eval: str = "demo_assets/data/sft_eval.jsonl"
     """Held-out SFT rows: SFT's eval loss (and early stopping, sft.patience)."""
     preferences: str | None = "demo_assets/data/preferences.jsonl"
