@@ -98,7 +98,8 @@ class DataConfig(Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options (e.g. credentials) for reading the data files."""
     max_prompt_tokens: int = Field(64, ge=1)
-    """Prompt token limit of the RL stage, labelling and evaluation."""
+    """Prompt token limit of the RL stage, labelling and evaluation; with an `env`, of each episode's
+    first messages, the tool instructions included."""
     prompt_overflow: Literal["truncate", "drop"] = "truncate"
     """A longer prompt: truncate (keep its last max_prompt_tokens tokens) or drop; the counts are logged."""
     chat_template: Literal["auto", "none"] = "auto"

@@ -382,20 +382,24 @@ def format_prompt(tokenizer: Any, prompt: Prompt, tools: Sequence[dict] = ()) ->
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, overflow: str) -> EncodedPrompts:
-    """Tokenize already-formatted prompts, applying the overflow policy to long ones.
+    """Tokenize already-formatted prompts, then apply_overflow. No special tokens are added:
+    templates carry their own."""
+    all_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
+    return apply_overflow(all_ids, max_prompt_tokens, overflow)
+
+
+def apply_overflow(all_ids: Sequence[Sequence[int]], max_prompt_tokens: int, overflow: str) -> EncodedPrompts:
+    """The overflow policy on prompts already tokenized (an episode's first messages among them).
 
     "truncate" keeps the last `max_prompt_tokens` tokens, because the end of a prompt
     (the question, the generation cue) matters most for what the model says next;
-    "drop" leaves the prompt out. No special tokens are added: templates carry their own.
+    "drop" leaves the prompt out.
     """
     if overflow not in _OVERFLOW_POLICIES:
         valid = ", ".join(_OVERFLOW_POLICIES)
         raise ValueError(f"unknown overflow policy {overflow!r}; valid: {valid}")
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
-    if not prompts:
-        return EncodedPrompts(token_ids=[], kept_indices=[], n_truncated=0, n_dropped=0)
-    all_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     token_ids, kept, n_truncated, n_dropped = [], [], 0, 0
     for index, ids in enumerate(all_ids):
         ids = list(ids)

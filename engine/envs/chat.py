@@ -10,7 +10,8 @@ one); those are not the tokens it sampled, so they are never trained on.
 The new messages' text comes from rendering them after a fixed two-message stand-in conversation
 and keeping what follows the stand-in assistant turn: the template's end of an assistant turn, the
 new messages and the generation prompt. The end-of-turn token the model itself sampled is removed
-from its front, and the rest is tokenised alone.
+from its front. The rest is tokenised behind the stand-in answer, whose ids are then cut off, so a
+tokenizer that starts a text with a dummy prefix (SentencePiece's '▁') does not put one mid-conversation.
 """
 
 from __future__ import annotations
@@ -121,13 +122,21 @@ class ConversationEncoder:
         start = text.find(_STAND_IN_ANSWER)
         if start < 0 or text.find(_STAND_IN_ANSWER, start + 1) >= 0:
             raise ChatTemplateError("the chat template does not write an assistant turn's content once, as given")
-        ids = self._encode(text[start + len(_STAND_IN_ANSWER):])
+        ids = self._encode_after(_STAND_IN_ANSWER, text[start + len(_STAND_IN_ANSWER):])
         if ids and last_generated_id is not None and ids[0] == last_generated_id:
             return ids[1:]  # the model already wrote the template's end of turn
         return ids
 
     def _tools_arg(self) -> list[dict] | None:
         return self.tools if self.template_tools else None
+
+    def _encode_after(self, before: str, text: str) -> list[int]:
+        """`text`'s ids as they come after `before`: tokenised behind it, its ids then cut off. Alone,
+        a SentencePiece tokenizer (Llama 2, Mistral) would start them with its dummy-prefix '▁',
+        which the middle of a conversation does not have. Alone after all where a merge crosses
+        the seam (the ids of `before` are not a prefix)."""
+        head, ids = self._encode(before), self._encode(before + text)
+        return ids[len(head):] if ids[: len(head)] == head else self._encode(text)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

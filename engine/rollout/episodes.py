@@ -44,6 +44,8 @@ class EpisodeLimits:
     """Tokens per model turn (sampling.max_new_tokens)."""
     max_total_tokens: int
     """Every id after the prompt, model turns and observations together."""
+    max_prompt_tokens: int | None = None
+    """The first messages' ids kept (their last ones: data.prompt_overflow=truncate); None: all."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,9 @@ def run_episodes(
 ) -> tuple[list[Trajectory], dict[int, list[RecordedStep]]]:
     """Runs one episode per row (envs[i] already reset to first_messages[i]) and returns the
     trajectories and every environment step taken, per row in order (what `replay` takes)."""
-    episodes = [_Episode(env, encoder.prompt_ids(messages)) for env, messages in zip(envs, first_messages)]
+    keep = limits.max_prompt_tokens
+    episodes = [_Episode(env, encoder.prompt_ids(messages)[-keep if keep else None:])
+                for env, messages in zip(envs, first_messages)]
     pad = tokenizer.pad_token_id
     ids, attention = left_pad([e.prompt for e in episodes], pad)
     device = next(model.parameters()).device
@@ -273,8 +277,10 @@ class EpisodeSampler:
     """The RL stage's and evaluation's sampler when the config has an `env`: one fresh environment
     per row, reset to the row, then `run_episodes`. Keeps the episodes' counts until `metrics()`."""
 
-    def __init__(self, cfg: EnvConfig, tokenizer: Any, journal: Journal | None = None):
+    def __init__(self, cfg: EnvConfig, tokenizer: Any, journal: Journal | None = None,
+                 max_prompt_tokens: int | None = None):
         self.cfg, self.tokenizer, self.journal = cfg, tokenizer, journal
+        self.max_prompt_tokens = max_prompt_tokens  # data.max_prompt_tokens: longer first messages keep their end
         probe = build_environment(cfg.fn, cfg.kwargs)
         tools = probe.tool_schemas() if hasattr(probe, "tool_schemas") else []
         self.encoder = ConversationEncoder(tokenizer, tools)
@@ -288,7 +294,8 @@ class EpisodeSampler:
         replay = None if journal is None else journal.replay(key)
         envs = [build_environment(self.cfg.fn, self.cfg.kwargs) for _ in records]
         first = [env.reset({**r.fields, "prompt": r.prompt}) for env, r in zip(envs, records)]
-        limits = EpisodeLimits(self.cfg.max_turns, params.max_new_tokens, self.cfg.max_total_tokens)
+        limits = EpisodeLimits(self.cfg.max_turns, params.max_new_tokens, self.cfg.max_total_tokens,
+                               self.max_prompt_tokens)
         stops = stop_token_ids(self.tokenizer)
         with ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="rlflow-env") as pool:
             trajectories, steps = run_episodes(policy, self.tokenizer, envs, first, self.encoder, params, limits,
@@ -297,6 +304,13 @@ class EpisodeSampler:
             journal.record(key, steps)
         self.trajectories.extend(trajectories)
         return trajectory_batch(trajectories, self.tokenizer.pad_token_id)
+
+    def prompt_ids(self, records: Sequence[PromptRecord]) -> list[list[int]]:
+        """Each record's episode prompt, whole: its first messages (a fresh environment's `reset`,
+        the tool instructions included) as the model reads them. What data.max_prompt_tokens
+        measures, and data.prompt_overflow=drop drops by, when the config has an `env`."""
+        envs = [build_environment(self.cfg.fn, self.cfg.kwargs) for _ in records]
+        return [self.encoder.prompt_ids(env.reset({**r.fields, "prompt": r.prompt})) for env, r in zip(envs, records)]
 
     def take(self) -> list[Trajectory]:
         """The episodes sampled since the last call, in order."""

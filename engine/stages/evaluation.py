@@ -12,7 +12,7 @@ from rlflow.engine.algorithms.kl import token_kl
 from rlflow.engine.algorithms.stats import distinct_n, masked_mean, mean_and_stderr
 from rlflow.engine.backend import dist
 from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.data.records import PromptRecord, encode_prompts, format_prompt
+from rlflow.engine.data.records import PromptRecord, apply_overflow, encode_prompts, format_prompt
 from rlflow.engine.errors import DataError
 from rlflow.engine.rewards.model_scores import ScoringModels, ensemble_mean_std, normalised_head_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
@@ -42,15 +42,24 @@ class PromptSet:
 
 
 def encode_prompt_set(
-    tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str, source: str
+    tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str, source: str,
+    episodes: EpisodeSampler | None = None,
 ) -> tuple[PromptSet, int, int]:
-    """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped).
+    """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped). With
+    `episodes` a prompt is an episode's first messages, tool instructions included (what the
+    model reads), and the episode sampler truncates them as the overflow policy says.
 
     Raises DataError naming `source` (the data file) when no prompt is left."""
-    encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
+    if episodes is None:
+        encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
+    else:
+        encoded = apply_overflow(episodes.prompt_ids(records), max_tokens, overflow)
     if not encoded.token_ids:
+        what = "every prompt"
+        if episodes is not None:
+            what += ", as an episode's first messages (tool instructions included),"
         raise DataError(
-            f"{source}: every prompt is longer than data.max_prompt_tokens={max_tokens} and was dropped; "
+            f"{source}: {what} is longer than data.max_prompt_tokens={max_tokens} and was dropped; "
             "raise the limit or set data.prompt_overflow=truncate"
         )
     kept = tuple(records[i] for i in encoded.kept_indices)

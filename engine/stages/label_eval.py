@@ -213,12 +213,13 @@ def run_eval_stage(ctx: StageContext, stage_inputs: EvalStageInputs) -> StageOut
         judge_model=None if (judge := stage_inputs.judge_model) is None else load_scalar_model(judge, **kw).eval(),
     )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
+    episodes = None if stage_inputs.env is None else EpisodeSampler(stage_inputs.env, tokenizer, None,
+                                                                     data.max_prompt_tokens)
     prompts, _, _ = encode_prompt_set(
-        tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
+        tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts, episodes
     )
     results: dict[str, Any] = {}
     measured = []
-    episodes = None if stage_inputs.env is None else EpisodeSampler(stage_inputs.env, tokenizer)
     regression_rows = _regression_rows(tokenizer, data)
     regression: list[tuple[float, ...]] = []  # [before, after] each row's NLL (nats per response token)
     for step, (name, path) in enumerate((("before", inputs.start_policy), ("after", inputs.final_policy))):

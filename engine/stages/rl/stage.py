@@ -123,18 +123,23 @@ def load_ppo_models(
     return PPOModels(actor, critic, tokenizer, scoring, runtime)
 
 
-def load_prompt_sets(tokenizer: Any, data: DataConfig, eval_cfg: EvalConfig, sink) -> tuple[PromptSet, PromptSet]:
+def load_prompt_sets(
+    tokenizer: Any, data: DataConfig, eval_cfg: EvalConfig, sink, episodes: EpisodeSampler | None = None
+) -> tuple[PromptSet, PromptSet]:
+    """The RL prompts and the evaluation's, with data.max_prompt_tokens applied (to each episode's
+    first messages when `episodes`); data/prompts_truncated and data/prompts_dropped are logged."""
     train, n_trunc, n_drop = encode_prompt_set(
         tokenizer,
         load_prompts(data.prompts, data.storage_options),
         data.max_prompt_tokens,
         data.prompt_overflow,
         data.prompts,
+        episodes,
     )
     records = load_prompts(data.eval_prompts, data.storage_options)[: eval_cfg.num_prompts]
     records = records[: eval_cfg.curve_prompts or len(records)]  # the curve's fixed subset
     evals, e_trunc, e_drop = encode_prompt_set(
-        tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts
+        tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts, episodes
     )
     sink.log_metrics({"data/prompts_truncated": n_trunc + e_trunc, "data/prompts_dropped": n_drop + e_drop}, 0)
     return train, evals
@@ -177,7 +182,11 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
         for role, engine in (("actor", models.actor), ("critic", models.critic)):
             if engine is not None:
                 ctx.sink.log_metrics(lora_metrics(role, engine.model), 0)
-    prompt_sets = load_prompt_sets(models.tokenizer, inputs.data, inputs.eval, ctx.sink)
+    episodes = None
+    if inputs.env is not None:  # its journal lets a killed step replay its tools' outputs
+        journal = ToolJournal(ctx.store, ctx.identity, dist.rank())
+        episodes = EpisodeSampler(inputs.env, models.tokenizer, journal, inputs.data.max_prompt_tokens)
+    prompt_sets = load_prompt_sets(models.tokenizer, inputs.data, inputs.eval, ctx.sink, episodes)
     controller, state, saved_guards = make_controller(inputs.kl), PPOLoopState(), None
     if resume is not None:
         meta = restore_training_state(ctx, resume, trained_engines(models))
@@ -189,10 +198,6 @@ def run_ppo_stage(ctx: StageContext, inputs: RLStageInputs, start: StageStart) -
         source = build_reward_source(inputs.reward, models.scoring, fallback, pool, ctx.runtime, inputs.model)
         safety = PPOSafety(inputs.guards, ctx.label, saved_guards, resume, controller, source)
         service = _start_rollout_service(ctx, inputs, models, prompt_sets[0], resume)  # takes the restored actor
-        episodes = None
-        if inputs.env is not None:  # its journal lets a killed step replay its tools' outputs
-            journal = ToolJournal(ctx.store, ctx.identity, dist.rank())
-            episodes = EpisodeSampler(inputs.env, models.tokenizer, journal)
         models = dataclasses.replace(models, reward=source, rollout=service, episodes=episodes)
         run = PPORun(ctx, models, inputs, prompt_sets, RLStart(resume, changed, controller, state, safety))
         end = run_stage_loop(ctx, guard, run, resume or 0)
@@ -292,7 +297,8 @@ class PPORun:
         """Same prompts and seed at every evaluation, so steps compare fairly."""
         seed = step_seed(self.ctx.seed, self.ctx.round_index, 7)
         e = self.eval_cfg
-        return run_evaluation(self.models, self.eval_prompts, self.eval_sampling, seed, e.batch_size, e.num_logged_samples)
+        return run_evaluation(self.models, self.eval_prompts, self.eval_sampling, seed, e.batch_size,
+                              e.num_logged_samples)
 
     @property
     def engines(self) -> tuple[TrainEngine, ...]:

@@ -113,3 +113,37 @@ def test_an_sft_row_with_tools_is_trained_on_the_prompt_its_episode_samples_from
     assert row.response == sampled_turn(tokenizer, CALL)  # the call, then the end of turn the episode stops on
     assert "calculator" in tokenizer.decode(row.prompt)
     assert encode_pair(tokenizer, tuple(first), CALL, 512).prompt != row.prompt  # no tools, no schemas
+
+
+# A template whose assistant turn ends in plain text, not a special token: the observation starts
+# with text, which a SentencePiece tokenizer tokenising it alone would give its dummy-prefix '▁'.
+PLAIN_END_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}\nEND{% else %}Q: {{ m.content }} A:"
+    "{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_a_sentencepiece_observation_has_no_dummy_prefix_mid_conversation(scheme):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
+    specials = ["<unk>", "<pad>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(["what is 1234 times 5678", "the answer END Q: A:", "tool says 42"],
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=specials))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = PLAIN_END_TEMPLATE
+    first = [{"role": "user", "content": "what is 12 times 17"}]
+    answer, observation = {"role": "assistant", "content": "the answer"}, [{"role": "user", "content": "tool says 42"}]
+    encoder = ConversationEncoder(tokenizer)
+    whole = tokenizer.apply_chat_template([*first, answer, *observation], tokenize=False, add_generation_prompt=True)
+    head = tokenizer.apply_chat_template([*first, answer], tokenize=False)[: -len("\nEND")]
+    whole_ids, head_ids = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (whole, head))
+    assert whole_ids[: len(head_ids)] == head_ids
+    tail = whole[len(head):]
+    alone = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(alone)[0] == "▁"  # what tokenising the new text alone gives
+    assert encoder.observation_ids(observation, head_ids[-1]) == whole_ids[len(head_ids):]

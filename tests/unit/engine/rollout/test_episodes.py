@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from helpers.envs import ScriptedEnv
+from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.data.records import PromptRecord, format_prompt
 from rlflow.engine.envs.chat import ConversationEncoder
 from rlflow.engine.models.loading import token_logprobs
-from rlflow.engine.rollout.episodes import EpisodeLimits, run_episodes, trajectory_batch
+from rlflow.engine.errors import DataError
+from rlflow.engine.rollout.episodes import EpisodeLimits, EpisodeSampler, run_episodes, trajectory_batch
+from rlflow.engine.stages.evaluation import encode_prompt_set
 from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tiny_model
 
 CORPUS = ["what is 1234 times 5678", "the answer is 7006652", "result of the tool", "tool says 42 and 17"]
@@ -96,3 +100,26 @@ def test_an_episode_past_its_turns_or_tokens_is_truncated_with_no_answer(tiny):
     tight = EpisodeLimits(max_turns=9, max_new_tokens=5, max_total_tokens=12)
     short, _ = rollout(tiny, [ScriptedEnv(99)], limits=tight)
     assert short[0].truncated and len(short[0].ids) <= 12
+
+
+def test_max_prompt_tokens_measures_and_truncates_the_first_messages_with_the_tool_instructions(tiny):
+    tokenizer, model = tiny
+    cfg = EnvConfig(fn="rlflow.engine.envs.tool_env:ToolEnv", kwargs={"tools": ["calculator"]}, max_turns=2,
+                    max_total_tokens=24)
+    records = [PromptRecord(f"what is {'1234 ' * n}times 17", {}) for n in (1, 4)]
+    whole = EpisodeSampler(cfg, tokenizer).prompt_ids(records)
+    plain = [len(tokenizer(format_prompt(tokenizer, r.prompt), add_special_tokens=False)["input_ids"]) for r in records]
+    assert [len(w) > p for w, p in zip(whole, plain)] == [True, True]  # the tool instructions count
+    limit = (len(whole[0]) + len(whole[1])) // 2  # the short episode fits, the long one does not
+    kept, n_trunc, n_drop = encode_prompt_set(tokenizer, records, limit, "drop", "prompts.jsonl",
+                                              EpisodeSampler(cfg, tokenizer, None, limit))
+    assert (kept.records, n_trunc, n_drop) == ((records[0],), 0, 1)
+    sampler = EpisodeSampler(cfg, tokenizer, None, limit)
+    kept, n_trunc, n_drop = encode_prompt_set(tokenizer, records, limit, "truncate", "prompts.jsonl", sampler)
+    assert (len(kept.records), n_trunc, n_drop) == (2, 1, 0)
+    assert [list(t) for t in kept.token_ids] == [whole[0], whole[1][-limit:]]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4)
+    sampler.sample(model, kept.records, params, seed=0)
+    assert [list(t.prompt_ids) for t in sampler.take()] == [list(t) for t in kept.token_ids]
+    with pytest.raises(DataError, match=r"prompts.jsonl: every prompt, as an episode's .* data.max_prompt_tokens=3 "):
+        encode_prompt_set(tokenizer, records, 3, "drop", "prompts.jsonl", EpisodeSampler(cfg, tokenizer, None, 3))
