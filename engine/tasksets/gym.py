@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import random
 import re
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -105,6 +106,65 @@ def demonstration(answer: str, extract: str) -> str:
     return f"<answer>{answer}</answer>" if extract == "answer_tag" else answer
 
 
+DEMONSTRATION_TOOLS = ("python",)
+_ARITHMETIC = re.compile(r"([-+*/().\d\s]*\d[-+*/().\d\s]*)=\s*$")  # "...: 15 - 43 =" -> "15 - 43 "
+
+
+FLAWS = ("guess", "mistype")
+
+
+def python_demonstration(row: Mapping[str, Any], extract: str, flaw: str | None = None,
+                         rng: random.Random | None = None) -> dict[str, Any]:
+    """An SFT row that uses the `python` tool (engine/envs/tools.py) on an arithmetic question ending
+    in "<expression> =" (chain_sum, basic_arithmetic): the question, a call that prints the
+    expression, the tool's output, then the answer. The output is the calculator's value of the
+    expression (what `print` writes for it), which must equal the dataset's answer. A sloppy
+    annotator's `flaw` (drawn from `rng`): "guess" answers a wrong number with no call; "mistype"
+    calls with one digit of one operand changed and answers what the tool printed. Raises
+    ConfigError naming the question where it ends in no expression or the values differ."""
+    from rlflow.engine.envs.tools import calculator, python_tool
+
+    found = _ARITHMETIC.search(row["gym_question"])
+    if found is None:
+        raise ConfigError(
+            f"--tool python: {row['gym_dataset']}'s question {row['gym_question']!r} does not end in an arithmetic "
+            "expression and '='; tool demonstrations exist for chain_sum and basic_arithmetic")
+    expression = " ".join(found.group(1).split())
+    value = calculator(expression)
+    if value != row["answer"]:
+        raise ConfigError(f"--tool python: {expression} gives {value}, but the dataset's answer is {row['answer']}")
+    user, tools = {"role": "user", "content": row["prompt"]}, [python_tool().schema()]
+    if flaw == "guess":
+        wrong = str(int(value) + rng.choice((-10, -2, -1, 1, 2, 10)))
+        return {"messages": [user, {"role": "assistant", "content": demonstration(wrong, extract)}], "tools": tools}
+    if flaw == "mistype":
+        numbers = list(re.finditer(r"\d+", expression))
+        hit = rng.choice(numbers)
+        expression = expression[: hit.start()] + _mistyped(hit.group(), rng) + expression[hit.end():]
+        value = calculator(expression)
+    call = {"name": "python", "arguments": {"code": f"print({expression})"}}
+    messages = [
+        user,
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "content": value},
+        {"role": "assistant", "content": demonstration(value, extract)},
+    ]
+    return {"messages": messages, "tools": tools}
+
+
+def _mistyped(number: str, rng: random.Random) -> str:
+    """The number with one digit replaced by another (a leading digit stays non-zero)."""
+    i = rng.randrange(len(number))
+    digit = rng.choice([d for d in "0123456789" if d != number[i] and (i or d != "0" or len(number) == 1)])
+    return number[:i] + digit + number[i + 1:]
+
+
+def _flaw(rng: random.Random, flawed: float) -> str | None:
+    """None (a correct demonstration), else the flaw: 3 in 5 flawed demonstrations guess."""
+    roll = rng.random()
+    return None if roll >= flawed else ("guess" if roll < 0.6 * flawed else "mistype")
+
+
 def write_gym_dataset(
     name: str,
     out_dir: str,
@@ -114,14 +174,21 @@ def write_gym_dataset(
     config: Mapping[str, Any] | None = None,
     extract: str = "answer_tag",
     instruction: str | None = None,
+    tool: str | None = None,
+    flawed: float = 0.0,
 ) -> dict[str, Any]:
     """prompts.jsonl (train), eval_prompts.jsonl (held-out, seed + 10**6, distinct questions none
     of which is in training) and sft.jsonl / sft_eval.jsonl (verified demonstrations of the same
-    prompts) under `out_dir`. Returns the counts and paths."""
+    prompts; with `tool`, conversations that call it: python_demonstration, a `flawed` share of
+    them from a sloppy annotator) under `out_dir`. Returns the counts and paths."""
     config = dict(config or {})
     check_dataset(name, config)
     if extract not in INSTRUCTIONS:
         raise ConfigError(f"unknown extract {extract!r}; valid: {', '.join(INSTRUCTIONS)}")
+    if tool is not None and tool not in DEMONSTRATION_TOOLS:
+        raise ConfigError(f"unknown demonstration tool {tool!r}; valid: {', '.join(DEMONSTRATION_TOOLS)}")
+    if not 0.0 <= flawed <= 1.0 or (flawed and tool is None):
+        raise ConfigError(f"--flawed {flawed}: a share in [0, 1] of --tool demonstrations; it needs --tool")
     instruction = INSTRUCTIONS[extract] if instruction is None else instruction
     train = _entries(name, size, seed, config)
     seen = {e["question"] for e in train}
@@ -135,15 +202,20 @@ def write_gym_dataset(
             f"gym dataset {name!r} with {config} has too few distinct questions: {len(heldout)} held-out ones"
             f" are not in the {size} training ones (wanted {eval_size}); raise its difficulty"
         )
-    os.makedirs(out_dir, exist_ok=True)
     files = {
         "prompts": gym_rows(train, name, config, instruction),
         "eval_prompts": gym_rows(heldout, name, config, instruction),
     }
-    files["sft"] = [{"prompt": r["prompt"], "response": demonstration(r["answer"], extract)} for r in files["prompts"]]
-    files["sft_eval"] = [
-        {"prompt": r["prompt"], "response": demonstration(r["answer"], extract)} for r in files["eval_prompts"]
-    ]
+    annotator = random.Random(seed)
+
+    def demonstrate(r: dict[str, Any]) -> dict[str, Any]:
+        if tool is not None:
+            return python_demonstration(r, extract, _flaw(annotator, flawed), annotator)
+        return {"prompt": r["prompt"], "response": demonstration(r["answer"], extract)}
+
+    files["sft"] = [demonstrate(r) for r in files["prompts"]]
+    files["sft_eval"] = [demonstrate(r) for r in files["eval_prompts"]]
+    os.makedirs(out_dir, exist_ok=True)
     paths = {}
     for key, rows in files.items():
         paths[key] = os.path.join(out_dir, f"{key}.jsonl")

@@ -30,7 +30,8 @@ def command_gym(args: argparse.Namespace) -> int:
 
     config = parse_config_items(args.config)
     written = write_gym_dataset(
-        args.name, args.out, args.size, args.eval_size, args.seed, config, args.extract, args.instruction
+        args.name, args.out, args.size, args.eval_size, args.seed, config, args.extract, args.instruction, args.tool,
+        args.flawed,
     )
     print(
         f"gym {args.name} {config or ''}: {written['train']} training and {written['heldout']} held-out prompts"
@@ -52,5 +53,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--extract", choices=("answer_tag", "last_number", "full"), default="answer_tag",
                    help="the answer format the prompts ask for and the verifier reads (default answer_tag)")
     p.add_argument("--instruction", help="the answer-format sentence after each question (default: per --extract)")
+    p.add_argument("--tool", choices=("python",),
+                   help="SFT demonstrations call this tool on the question's expression, then answer")
+    p.add_argument("--flawed", type=float, default=0.0, metavar="SHARE",
+                   help="share of --tool demonstrations from a sloppy annotator: 3/5 guess, 2/5 mistype (default 0)")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(handler=command_gym)

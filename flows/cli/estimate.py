@@ -187,7 +187,8 @@ def build_inputs(
         **model_shapes(config, args.model, args.reward_model),
         rollout_batch=config.ppo.rollout_batch,
         prompt_tokens=config.data.max_prompt_tokens,
-        response_tokens=config.sampling.max_new_tokens,
+        # An episode's response is every id after its prompt: the model's turns and the observations.
+        response_tokens=config.sampling.max_new_tokens if config.env is None else config.env.max_total_tokens,
         mini_batch=config.ppo.mini_batch,
         epochs=config.ppo.epochs,
         steps=config.ppo.steps,

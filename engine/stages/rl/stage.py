@@ -142,6 +142,9 @@ def load_prompt_sets(
         tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.eval_prompts, episodes
     )
     sink.log_metrics({"data/prompts_truncated": n_trunc + e_trunc, "data/prompts_dropped": n_drop + e_drop}, 0)
+    if n_trunc + e_trunc + n_drop + e_drop:  # a truncated episode prompt loses its tool instructions first
+        log.warning("%d prompts truncated to their last data.max_prompt_tokens=%d tokens, %d dropped (%s, %s)",
+                    n_trunc + e_trunc, data.max_prompt_tokens, n_drop + e_drop, data.prompts, data.eval_prompts)
     return train, evals
 
 

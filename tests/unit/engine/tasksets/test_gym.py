@@ -132,3 +132,59 @@ def test_bad_dataset_names_and_configs_are_refused_before_anything_is_written(tm
         write_gym_dataset(name, str(tmp_path / "out"), 10, 4, 0, config)
     assert message in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_python_tool_demonstrations_call_the_question_and_answer_with_its_output(tmp_path):
+    from rlflow.engine.envs.tool_env import ToolEnv
+
+    written = write_gym_dataset("chain_sum", str(tmp_path), 40, 8, 3, CHAIN, "last_number", tool="python")
+    env = ToolEnv(tools=["python"])
+    for key in ("sft", "sft_eval"):
+        rows = [json.loads(line) for line in open(written["paths"][key])]
+        prompts = load_prompts(written["paths"]["prompts" if key == "sft" else "eval_prompts"])
+        assert len(rows) == len(prompts) and rows[0]["tools"] == env.tool_schemas()
+        for row, prompt in zip(rows, prompts):
+            user, call, result, answer = row["messages"]
+            assert user == {"role": "user", "content": prompt.prompt}
+            (parsed,) = env.parse(call["content"]).calls  # the hermes call the episode will read
+            code = parsed.arguments["code"]
+            expression = code.removeprefix("print(").removesuffix(")")
+            assert expression in prompt.fields["gym_question"]
+            assert result["role"] == "tool" and result["content"] == str(eval(expression)) == prompt.fields["answer"]
+            assert answer == {"role": "assistant", "content": prompt.fields["answer"]}
+
+
+def test_python_tool_demonstrations_of_a_question_without_arithmetic_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"--tool python: leg_counting's question .* does not end in an arithmetic"):
+        write_gym_dataset("leg_counting", str(tmp_path / "out"), 4, 2, 0, {}, "last_number", tool="python")
+    with pytest.raises(ConfigError, match="unknown demonstration tool 'bash'; valid: python"):
+        write_gym_dataset("chain_sum", str(tmp_path / "out"), 4, 2, 0, CHAIN, "last_number", tool="bash")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sloppy_annotator_guesses_or_mistypes_its_flawed_share_and_trusts_the_tool(tmp_path):
+    written = write_gym_dataset("chain_sum", str(tmp_path), 400, 8, 1, CHAIN, "last_number", tool="python", flawed=0.5)
+    rows = [json.loads(line)["messages"] for line in open(written["paths"]["sft"])]
+    prompts = load_prompts(written["paths"]["prompts"])
+    kinds = {"right": 0, "guess": 0, "mistype": 0}
+    for messages, prompt in zip(rows, prompts):
+        answer = prompt.fields["answer"]
+        if len(messages) == 2:  # a guess: no call, never the answer
+            assert messages[1]["role"] == "assistant" and messages[1]["content"] != answer
+            kinds["guess"] += 1
+            continue
+        _, call, result, final = messages
+        expression = json.loads(call["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        expression = expression["arguments"]["code"].removeprefix("print(").removesuffix(")")
+        assert result["content"] == str(eval(expression)) == final["content"]  # it answers what the tool printed
+        asked = prompt.fields["gym_question"].rsplit(":", 1)[1].rstrip("= ").strip()
+        if expression == asked:
+            assert final["content"] == answer
+            kinds["right"] += 1
+        else:  # one digit of one operand changed
+            assert len(expression) == len(asked) and sum(a != b for a, b in zip(expression, asked)) == 1
+            kinds["mistype"] += 1
+    assert abs(kinds["right"] / 400 - 0.5) < 0.08 and abs(kinds["guess"] / 400 - 0.3) < 0.07
+    assert abs(kinds["mistype"] / 400 - 0.2) < 0.06
+    with pytest.raises(ConfigError, match="--flawed 1.5: a share in"):
+        write_gym_dataset("chain_sum", str(tmp_path / "x"), 4, 2, 0, CHAIN, "last_number", tool="python", flawed=1.5)

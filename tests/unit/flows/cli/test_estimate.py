@@ -161,3 +161,12 @@ def test_pairs_given_on_the_command_line_are_used_as_they_are():
     assert estimate_cli.preference_pairs(config, 500) == (500, 0)
     with pytest.raises(ConfigError, match="--pairs must be at least 1, got 0"):
         estimate_cli.preference_pairs(config, 0)
+
+
+def test_an_episode_config_is_estimated_at_its_whole_trajectory(tiny_model, capsys):
+    tools = str(Path(DEMO).parent / "demo_tools.yaml")  # env.max_total_tokens 96, sampling.max_new_tokens 40
+    report = run_json(capsys, tools, f"model.path={tiny_model}", "--gpu", "cpu")
+    single = run_json(capsys, tools, f"model.path={tiny_model}", "env=null", "--gpu", "cpu")
+    assert (report["workload"]["response_tokens"], single["workload"]["response_tokens"]) == (96, 40)
+    memory, single_memory = report["configured"]["memory_gib"], single["configured"]["memory_gib"]
+    assert memory["training"]["activations"] > single_memory["training"]["activations"]
