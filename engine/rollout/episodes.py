@@ -292,8 +292,7 @@ class EpisodeSampler:
         environment steps are recorded in the journal, and replayed from it when it holds them."""
         key, journal = str(seed), self.journal if journaled else None
         replay = None if journal is None else journal.replay(key)
-        envs = [build_environment(self.cfg.fn, self.cfg.kwargs) for _ in records]
-        first = [env.reset({**r.fields, "prompt": r.prompt}) for env, r in zip(envs, records)]
+        envs, first = self._reset(records)
         limits = EpisodeLimits(self.cfg.max_turns, params.max_new_tokens, self.cfg.max_total_tokens,
                                self.max_prompt_tokens)
         stops = stop_token_ids(self.tokenizer)
@@ -309,8 +308,12 @@ class EpisodeSampler:
         """Each record's episode prompt, whole: its first messages (a fresh environment's `reset`,
         the tool instructions included) as the model reads them. What data.max_prompt_tokens
         measures, and data.prompt_overflow=drop drops by, when the config has an `env`."""
+        return [self.encoder.prompt_ids(messages) for messages in self._reset(records)[1]]
+
+    def _reset(self, records: Sequence[PromptRecord]) -> tuple[list[Environment], list[list[dict[str, str]]]]:
+        """A fresh environment per record, and its first messages."""
         envs = [build_environment(self.cfg.fn, self.cfg.kwargs) for _ in records]
-        return [self.encoder.prompt_ids(env.reset({**r.fields, "prompt": r.prompt})) for env, r in zip(envs, records)]
+        return envs, [env.reset({**r.fields, "prompt": r.prompt}) for env, r in zip(envs, records)]
 
     def take(self) -> list[Trajectory]:
         """The episodes sampled since the last call, in order."""

@@ -110,9 +110,6 @@ DEMONSTRATION_TOOLS = ("python",)
 _ARITHMETIC = re.compile(r"([-+*/().\d\s]*\d[-+*/().\d\s]*)=\s*$")  # "...: 15 - 43 =" -> "15 - 43 "
 
 
-FLAWS = ("guess", "mistype")
-
-
 def python_demonstration(row: Mapping[str, Any], extract: str, flaw: str | None = None,
                          rng: random.Random | None = None) -> dict[str, Any]:
     """An SFT row that uses the `python` tool (engine/envs/tools.py) on an arithmetic question ending
@@ -153,7 +150,8 @@ def python_demonstration(row: Mapping[str, Any], extract: str, flaw: str | None 
 
 
 def _mistyped(number: str, rng: random.Random) -> str:
-    """The number with one digit replaced by another (a leading digit stays non-zero)."""
+    """The number with one digit replaced by another (a leading digit stays non-zero). Unlike the
+    calculator demo's `mistype`, a one-digit number may become 0: chain_sum's terms may be 0."""
     i = rng.randrange(len(number))
     digit = rng.choice([d for d in "0123456789" if d != number[i] and (i or d != "0" or len(number) == 1)])
     return number[:i] + digit + number[i + 1:]
