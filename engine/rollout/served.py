@@ -94,12 +94,14 @@ def probe_weight_sync(
     index = torch.arange(min(probe_rows, batch.input_ids.shape[0]))
     rows = batch.rows(index)
     trainer_logprobs = batched_logprobs(policy, rows, temperature)
-    trainer_fp = worker_fp = None
-    if check_fingerprint:
-        trainer_fp = weights_fingerprint(policy.named_parameters(), round_to=client.dtype)
-        worker_fp = client.fingerprint()
+    trainer_fp: list[str] = []
+    worker_fp = None
+    if check_fingerprint:  # the trainer hashes its weights while the worker hashes its own
+        worker_fp = client.fingerprint(
+            meanwhile=lambda: trainer_fp.append(weights_fingerprint(policy.named_parameters(), round_to=client.dtype))
+        )
     return check_weight_sync(
-        trainer_fp,
+        trainer_fp[0] if trainer_fp else None,
         worker_fp,
         trainer_logprobs,
         rows.sampled_logprobs * rows.response_mask,

@@ -25,7 +25,7 @@ import tempfile
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, final
 
@@ -387,9 +387,19 @@ class RolloutClient:
             raise RolloutWorkerError(f"rollout worker {self.backend} refused 'generate': {reply.get('error')}")
         return generation_from_reply(reply, payload)
 
-    def fingerprint(self) -> str:
-        """The worker's weights_fingerprint (compare with the trainer's, rounded to `self.dtype`)."""
-        return self._request({"op": "fingerprint"})[0]["fingerprint"]
+    def fingerprint(self, meanwhile: Callable[[], None] | None = None) -> str:
+        """The worker's weights_fingerprint (compare with the trainer's, rounded to `self.dtype`).
+
+        `meanwhile` runs here while the worker hashes (the trainer's own fingerprint): both sides
+        hash at once, so a sync's guard costs one hash of the weights, not two in a row."""
+        self._require_idle("fingerprint")
+        self._send({"op": "fingerprint"})
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:  # the reply is read even if `meanwhile` failed: a later request must not get it
+            reply = self._reply("fingerprint")
+        return reply[0]["fingerprint"]
 
     def update_weights(
         self,

@@ -224,9 +224,12 @@ class RolloutService:
             stats = self.client.update_weights(params, self.cfg.bucket_mb, version=version)
             metrics |= {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
             if self.cfg.check_fingerprint:
-                trainer = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)
-                self.trainer_fingerprint = trainer
-                self.worker_fingerprint = self.client.fingerprint()
+
+                def own() -> None:
+                    trainer = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)
+                    self.trainer_fingerprint = trainer
+
+                self.worker_fingerprint = self.client.fingerprint(meanwhile=own)
         self.version = version
         if self.lookahead is not None:
             self.lookahead.version = version

@@ -114,6 +114,22 @@ def test_pipelined_generations_come_back_in_order_and_block_other_requests(clien
     client.fingerprint()  # the connection is still in step
 
 
+def test_fingerprint_runs_the_trainers_hash_while_the_worker_hashes_and_survives_its_failure(client, policy, tiny):
+    _, _, prompts = tiny
+    ran = []
+    worker_fp = client.fingerprint(meanwhile=lambda: ran.append(weights_fingerprint(policy.named_parameters())))
+    assert ran == [worker_fp]  # the two sides hashed the same weights
+
+    def broken() -> None:
+        raise ValueError("the trainer's gather failed")
+
+    with pytest.raises(ValueError, match="gather failed"):
+        client.fingerprint(meanwhile=broken)
+    # the worker's reply was read anyway: the next replies are still the requests' own
+    assert client.fingerprint() == worker_fp
+    assert client.generate(prompts, PARAMS, SEED) == client.generate(prompts, PARAMS, SEED)
+
+
 def test_server_generation_equals_colocated(client, policy, tiny):
     _, tokenizer, prompts = tiny
     batch = served(client, prompts)
