@@ -49,7 +49,10 @@ def collect(client: Any, experiment: str, run_names: list[str]) -> tuple[dict[st
         if "'" in name:
             raise ConfigError(f"run name {name!r} cannot contain a quote")
         found = client.search_runs(
-            [exp.experiment_id], f"tags.`rlflow.run_name` = '{name}' and tags.`rlflow.kind` = 'parent'", max_results=1
+            [exp.experiment_id],
+            f"tags.`rlflow.run_name` = '{name}' and tags.`rlflow.kind` = 'parent'",
+            max_results=1,
+            order_by=["attributes.start_time DESC"],  # a name started again in a fresh folder: its newest run
         )
         if not found:
             raise ConfigError(

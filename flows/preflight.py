@@ -94,7 +94,7 @@ def check_model(config: Any) -> None:
 def check_tokenizer(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
     """data.chat_template=auto needs a template; with data.prompt_overflow=drop, a prompt set left
     empty would fail the label or PPO stage after SFT and the reward model have trained:
-    tokenizing the prompts now takes a second."""
+    tokenizing the prompts now takes a second (with an env, as each episode's first messages)."""
     from rlflow.engine.errors import ConfigError
     from rlflow.engine.stages.evaluation import encode_prompt_set
     from rlflow.engine.models.loading import load_tokenizer
@@ -109,9 +109,15 @@ def check_tokenizer(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
         )
     if config.data.prompt_overflow != "drop":
         return
+    episodes = None  # with an env, a prompt is an episode's first messages (tool instructions included)
+    if config.env is not None:
+        from rlflow.engine.rollout.episodes import EpisodeSampler
+
+        episodes = EpisodeSampler(config.env, tokenizer, None, config.data.max_prompt_tokens)
     for key, records in prompt_sets.items():
         url = getattr(config.data, key)
-        _for_key(f"data.{key}", encode_prompt_set, tokenizer, records, config.data.max_prompt_tokens, "drop", url)
+        limit = config.data.max_prompt_tokens
+        _for_key(f"data.{key}", encode_prompt_set, tokenizer, records, limit, "drop", url, episodes)
 
 
 def check_reward_model_vocabulary(config: Any) -> None:

@@ -110,7 +110,7 @@ def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: st
         public = redacted_dict(cfg)  # what is stored from here on (config.yaml, MLflow params): from cfg alone
         write_run_file(cfg, "config.yaml", yaml.safe_dump(public, sort_keys=False))  # for `rlflow status`
         tracker = RunTracker(uri, cfg.tracking.experiment)
-        parent = tracker.parent_run(cfg.run.name, public)
+        parent = settle_parent_run(cfg, tracker, public, logger)
         tracker.mark_crashed_children(parent)
         try:
             rows, policy = run_rounds(cfg, parent, logger, tracker)
@@ -150,6 +150,33 @@ def settle_tracking_uri(cfg: Config, logger: Any) -> str:
         recorded,
     )
     return resolved
+
+
+PARENT_FILE = "mlflow_parent_run"
+
+
+def settle_parent_run(cfg: Config, tracker: RunTracker, public: dict[str, Any], logger: Any) -> str:
+    """The run's parent MLflow run: the one its folder recorded. A folder without the record
+    whose rounds exist (a run begun before runs recorded it) re-attaches by run name; a fresh
+    folder (e.g. `runs/<name>` deleted) gets a new parent run, so MLflow never shows a new run
+    under an old one's params, and the old run stays as it was."""
+    text = read_run_file(cfg.run.root, cfg.run.name, PARENT_FILE, cfg.run.storage_options)
+    recorded = text.strip() if text else None
+    fs, path = fsspec.core.url_to_fs(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", **cfg.run.storage_options)
+    begun = recorded is None and fs.exists(f"{path}/round_0")
+    parent = tracker.parent_run(cfg.run.name, public, known_id=recorded, by_name=begun)
+    if recorded is not None and parent != recorded:
+        logger.warning(
+            "run '%s' recorded MLflow run %s, which %s does not have (deleted, or another store): its rounds"
+            " go to a new parent run %s",
+            cfg.run.name,
+            recorded,
+            shown_url(tracker.tracking_uri),
+            parent,
+        )
+    if parent != recorded:
+        write_run_file(cfg, PARENT_FILE, parent + "\n")
+    return parent
 
 
 def publish_report(cfg: Config, tracker: RunTracker, parent: str, logger: Any) -> None:

@@ -241,21 +241,38 @@ class RunTracker(_ClientHolder):
         )
         return runs[0] if runs else None
 
+    def _get_run(self, run_id: str) -> Any | None:
+        """The run `run_id` if the store has it and it is not deleted, else None."""
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return None
+        return run if run.info.lifecycle_stage == "active" else None
+
     def _reactivate(self, run: Any) -> None:
         if run.info.status != "RUNNING":
             self.client.update_run(run.info.run_id, status="RUNNING")
 
-    def parent_run(self, run_name: str, config_tree: dict[str, Any] | Any) -> str:
+    def parent_run(
+        self, run_name: str, config_tree: dict[str, Any] | Any, known_id: str | None = None, by_name: bool = True
+    ) -> str:
         """The parent run's id for `run_name`: re-attached (set RUNNING again) if it exists.
 
-        Logs the flattened, redacted config as params (only keys not yet present: params are
-        immutable) and the redacted config as `config.yaml` (only if missing, so it keeps
-        describing the config the params came from).
+        `known_id`: the parent the run's folder recorded, re-attached if the store still has it;
+        otherwise, if `by_name`, the oldest parent tagged with `run_name`; else a new run (a run
+        folder deleted and started again under the same name is a new run, not the old one's
+        continuation, whose MLflow run keeps its history). Logs the flattened, redacted config as
+        params (only keys not yet present: params are immutable) and the redacted config as
+        `config.yaml` (only if missing, so it keeps describing the config the params came from).
         """
         if hasattr(config_tree, "model_dump"):  # a pydantic Config is accepted too
             config_tree = config_tree.model_dump(mode="json")
         tags = {TAG_RUN_NAME: run_name, TAG_KIND: "parent"}
-        run = self._find_run(tags)
+        run = self._get_run(known_id) if known_id else None
+        if run is not None and run.data.tags.get(TAG_RUN_NAME) != run_name:  # a folder copied from another run
+            run = None
+        if run is None and by_name:
+            run = self._find_run(tags)
         if run is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         else:

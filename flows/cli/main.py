@@ -69,6 +69,12 @@ def command_run(args: argparse.Namespace) -> int:
         os.environ[QUIET_ENV] = "1"
     os.environ[SECRETS_ENV] = json.dumps(secret)
     os.environ[COMMAND_ENV] = shown_command(args.config, args.overrides)  # a breach's "continue with" command
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # Prefect's temporary server, stopped even if this process is killed
+        from rlflow.flows.temporary_server import start_temporary_server
+
+        start_temporary_server()
     result = rlhf_flow(config=public, source=args.config)
     print(f"\nrun '{result['run']}' finished; final policy: {result['final_policy']}")
     print(format_table(result["rounds"]))

@@ -97,6 +97,32 @@ def test_dropping_every_prompt_of_a_set_is_refused_with_the_key_of_its_file(smal
     check_tokenizer(roomy, {"prompts": prompts})
 
 
+def test_with_an_env_the_prompt_measured_is_the_episodes_first_messages_tool_instructions_included(
+    small_assets, tmp_path
+):
+    from helpers.chat_model import write_chat_model
+    from rlflow.engine.data.records import load_prompts
+
+    chat = write_chat_model(tmp_path / "chat", [{"prompt": f"what is {i} plus 30"} for i in range(4)])
+    tools = {"fn": "rlflow.engine.envs.tool_env:ToolEnv", "kwargs": {"tools": ["calculator"]}}
+    files = {"prompts": str(chat / "prompts.jsonl"), "eval_prompts": str(chat / "eval_prompts.jsonl")}
+
+    def with_limit(tokens):
+        data = files | {"chat_template": "auto", "prompt_overflow": "drop", "max_prompt_tokens": tokens}
+        return config(small_assets, tmp_path, model={"path": str(chat / "model")}, data=data, env=tools)
+
+    cfg = with_limit(24)
+    prompts = load_prompts(cfg.data.prompts)
+    check_tokenizer(cfg.model_copy(update={"env": None}), {"prompts": prompts})  # 24 tokens hold every prompt
+    with pytest.raises(DataError) as err:  # but not behind the calculator's instructions
+        check_tokenizer(cfg, {"prompts": prompts})
+    assert str(err.value).startswith(
+        f"data.prompts: {cfg.data.prompts}: every prompt, as an episode's first messages (tool instructions"
+        " included), is longer than data.max_prompt_tokens=24 and was dropped"
+    )
+    check_tokenizer(with_limit(2048), {"prompts": prompts})
+
+
 def test_a_reward_model_with_another_vocabulary_is_refused(small_assets, tmp_path):
     from rlflow.engine.tasksets.demo import make_tokenizer
 

@@ -1,0 +1,74 @@
+"""Prefect's temporary server for one `rlflow run`, which must not outlive the run.
+
+With no Prefect server configured, Prefect starts a temporary one (uvicorn, a child process) at the
+first API call and stops it at exit (atexit). A run killed by SIGKILL or the kernel's OOM killer
+runs no atexit handler, and the server stayed up, holding its port and ~300 MB, until someone
+found it. `start_temporary_server` starts the same server before the flow (Prefect's client then
+uses it: one temporary server per process) and a watchdog process that stops it once the run's
+process is gone, however it ended.
+
+    python -m rlflow.flows.temporary_server RUN_PID SERVER_PID   # the watchdog; started for you
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SERVER_MARK = b"prefect.server.api.server:create_app"  # in the temporary server's command line
+POLL_S = 0.5
+GRACE_S = 10.0
+
+
+def start_temporary_server() -> int:
+    """Start Prefect's temporary server now, and its watchdog; returns the server's pid."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the instance Prefect's client would create and start itself
+    server.start()
+    pid = server.server_process.pid
+    subprocess.Popen(
+        [sys.executable, "-m", __spec__.name, str(os.getpid()), str(pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C in the terminal is the run's to handle, not the watchdog's
+    )
+    return pid
+
+
+def is_temporary_server(pid: int) -> bool:
+    """Whether `pid` is alive and still a Prefect temporary server (pids are recycled)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (OSError, IndexError):
+        return False
+    return SERVER_MARK in cmdline and state != "Z"
+
+
+def watch(run_pid: int, server_pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> bool:
+    """Wait while the run (this process's parent) lives, then stop the server if it still runs:
+    SIGTERM, then SIGKILL after `grace_s`. True if it had to stop it."""
+    while os.getppid() == run_pid and is_temporary_server(server_pid):
+        time.sleep(poll_s)
+    if not is_temporary_server(server_pid):  # the run stopped it (a normal exit) or it ended
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server_pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while is_temporary_server(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if is_temporary_server(server_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+    return True
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), int(sys.argv[2]))
