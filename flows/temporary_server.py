@@ -33,7 +33,7 @@ def start_temporary_server() -> int:
     server.start()
     pid = server.server_process.pid
     subprocess.Popen(
-        [sys.executable, "-m", __spec__.name, str(os.getpid()), str(pid)],
+        [sys.executable, "-m", __spec__.name, str(os.getpid()), str(pid), str(start_time(pid))],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -42,33 +42,53 @@ def start_temporary_server() -> int:
     return pid
 
 
-def is_temporary_server(pid: int) -> bool:
-    """Whether `pid` is alive and still a Prefect temporary server (pids are recycled)."""
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields from the state on (field 3); [] if there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def start_time(pid: int) -> int:
+    """The process's start time (clock ticks after boot; -1: none): with the pid, it names one process."""
+    fields = _stat(pid)
+    return int(fields[19]) if len(fields) > 19 else -1
+
+
+def is_temporary_server(pid: int, started: int | None = None) -> bool:
+    """Whether `pid` is alive and a Prefect temporary server (the one started at `started`, if
+    given: pids are recycled, and another run's server could take this one's)."""
+    fields = _stat(pid)
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
-    except (OSError, IndexError):
+    except OSError:
         return False
-    return SERVER_MARK in cmdline and state != "Z"
+    alive = bool(fields) and fields[0] != "Z"
+    return alive and SERVER_MARK in cmdline and (started is None or start_time(pid) == started)
 
 
-def watch(run_pid: int, server_pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> bool:
+def watch(run_pid: int, server_pid: int, started: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> bool:
     """Wait while the run (this process's parent) lives, then stop the server if it still runs:
     SIGTERM, then SIGKILL after `grace_s`. True if it had to stop it."""
-    while os.getppid() == run_pid and is_temporary_server(server_pid):
+
+    def running() -> bool:
+        return is_temporary_server(server_pid, started)
+
+    while os.getppid() == run_pid and running():
         time.sleep(poll_s)
-    if not is_temporary_server(server_pid):  # the run stopped it (a normal exit) or it ended
+    if not running():  # the run stopped it (a normal exit) or it ended
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(server_pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while is_temporary_server(server_pid) and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.1)
-    if is_temporary_server(server_pid):
+    if running():
         with contextlib.suppress(ProcessLookupError):
             os.kill(server_pid, signal.SIGKILL)
     return True
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), int(sys.argv[2]))
+    watch(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

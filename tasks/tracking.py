@@ -15,7 +15,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import yaml
 from mlflow import MlflowClient
@@ -24,6 +24,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import (
     INVALID_PARAMETER_VALUE,
     RESOURCE_ALREADY_EXISTS,
+    RESOURCE_DOES_NOT_EXIST,
     ErrorCode,
 )
 from mlflow.utils.validation import (
@@ -242,10 +243,13 @@ class RunTracker(_ClientHolder):
         return runs[0] if runs else None
 
     def _get_run(self, run_id: str) -> Any | None:
-        """The run `run_id` if the store has it and it is not deleted, else None."""
+        """The run `run_id` if the store has it and it is not deleted, else None. Any other failure
+        (an unreachable server) raises: a run must not move to a new parent over an outage."""
         try:
             run = self.client.get_run(run_id)
-        except MlflowException:
+        except MlflowException as exc:
+            if exc.error_code not in (ErrorCode.Name(RESOURCE_DOES_NOT_EXIST), ErrorCode.Name(INVALID_PARAMETER_VALUE)):
+                raise
             return None
         return run if run.info.lifecycle_stage == "active" else None
 
@@ -254,16 +258,23 @@ class RunTracker(_ClientHolder):
             self.client.update_run(run.info.run_id, status="RUNNING")
 
     def parent_run(
-        self, run_name: str, config_tree: dict[str, Any] | Any, known_id: str | None = None, by_name: bool = True
+        self,
+        run_name: str,
+        config_tree: dict[str, Any] | Any,
+        known_id: str | None = None,
+        by_name: bool = True,
+        created: Callable[[str], None] | None = None,
     ) -> str:
         """The parent run's id for `run_name`: re-attached (set RUNNING again) if it exists.
 
         `known_id`: the parent the run's folder recorded, re-attached if the store still has it;
         otherwise, if `by_name`, the oldest parent tagged with `run_name`; else a new run (a run
         folder deleted and started again under the same name is a new run, not the old one's
-        continuation, whose MLflow run keeps its history). Logs the flattened, redacted config as
-        params (only keys not yet present: params are immutable) and the redacted config as
-        `config.yaml` (only if missing, so it keeps describing the config the params came from).
+        continuation, whose MLflow run keeps its history); `created(run_id)` is called at once for
+        a new one (before anything is logged to it: a crash leaves no parent unrecorded). Logs the
+        flattened, redacted config as params (only keys not yet present: params are immutable)
+        and the redacted config as `config.yaml` (only if missing, so it keeps describing the
+        config the params came from).
         """
         if hasattr(config_tree, "model_dump"):  # a pydantic Config is accepted too
             config_tree = config_tree.model_dump(mode="json")
@@ -275,6 +286,8 @@ class RunTracker(_ClientHolder):
             run = self._find_run(tags)
         if run is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+            if created is not None:
+                created(run.info.run_id)
         else:
             self._reactivate(run)
         run_id = run.info.run_id

@@ -69,9 +69,9 @@ def command_run(args: argparse.Namespace) -> int:
         os.environ[QUIET_ENV] = "1"
     os.environ[SECRETS_ENV] = json.dumps(secret)
     os.environ[COMMAND_ENV] = shown_command(args.config, args.overrides)  # a breach's "continue with" command
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    if not PREFECT_API_URL.value():  # Prefect's temporary server, stopped even if this process is killed
+    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():  # stopped even if we are killed
         from rlflow.flows.temporary_server import start_temporary_server
 
         start_temporary_server()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from rlflow.flows.temporary_server import is_temporary_server, watch
+from rlflow.flows.temporary_server import is_temporary_server, start_time, watch
 
 RUN = """
 import os, sys, time
@@ -26,7 +26,8 @@ def test_the_temporary_server_stops_when_its_run_is_killed(tmp_path):
     server = None
     try:
         server = int(run.stdout.readline())
-        assert is_temporary_server(server)
+        started = start_time(server)
+        assert is_temporary_server(server, started) and not is_temporary_server(server, started + 1)
         run.send_signal(signal.SIGKILL)  # as the OOM killer does: no atexit handler runs
         run.wait()
         deadline = time.monotonic() + 60
@@ -43,5 +44,6 @@ def test_the_watchdog_leaves_a_server_that_is_already_gone(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     assert not is_temporary_server(gone.pid)
-    assert watch(os.getpid(), gone.pid, poll_s=0.01) is False  # nothing signalled
+    assert start_time(gone.pid) == -1 and start_time(os.getpid()) > 0
+    assert watch(os.getpid(), gone.pid, -1, poll_s=0.01) is False  # nothing signalled
     assert not is_temporary_server(os.getpid())  # a live process that is not the server
