@@ -164,14 +164,8 @@ def settle_parent_run(cfg: Config, tracker: RunTracker, public: dict[str, Any], 
     recorded = text.strip() if text else None
     fs, path = fsspec.core.url_to_fs(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", **cfg.run.storage_options)
     begun = text is None and fs.exists(f"{path}/round_0")  # an empty record (a torn write) is no legacy run
-
-    written: list[str] = []
-
-    def record(run_id: str) -> None:
-        write_run_file(cfg, PARENT_FILE, run_id + "\n")
-        written.append(run_id)
-
-    parent = tracker.parent_run(cfg.run.name, public, known_id=recorded, by_name=begun, created=record)
+    record = lambda run_id: write_run_file(cfg, PARENT_FILE, run_id + "\n")  # noqa: E731
+    parent = tracker.parent_run(cfg.run.name, public, known_id=recorded, by_name=begun, record=record)
     if recorded is not None and parent != recorded:
         logger.warning(
             "run '%s' recorded MLflow run %s, which %s does not have (deleted, or another store): its rounds"
@@ -181,8 +175,6 @@ def settle_parent_run(cfg: Config, tracker: RunTracker, public: dict[str, Any], 
             shown_url(tracker.tracking_uri),
             parent,
         )
-    if parent != recorded and not written:  # re-attached by name: a legacy run's parent, recorded from now on
-        record(parent)
     return parent
 
 

@@ -50,10 +50,13 @@ def _stat(pid: int) -> list[str]:
         return []
 
 
+def _start_time(fields: list[str]) -> int:
+    return int(fields[19]) if len(fields) > 19 else -1
+
+
 def start_time(pid: int) -> int:
     """The process's start time (clock ticks after boot; -1: none): with the pid, it names one process."""
-    fields = _stat(pid)
-    return int(fields[19]) if len(fields) > 19 else -1
+    return _start_time(_stat(pid))
 
 
 def is_temporary_server(pid: int, started: int | None = None) -> bool:
@@ -65,7 +68,7 @@ def is_temporary_server(pid: int, started: int | None = None) -> bool:
     except OSError:
         return False
     alive = bool(fields) and fields[0] != "Z"
-    return alive and SERVER_MARK in cmdline and (started is None or start_time(pid) == started)
+    return alive and SERVER_MARK in cmdline and (started is None or _start_time(fields) == started)
 
 
 def watch(run_pid: int, server_pid: int, started: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> bool:

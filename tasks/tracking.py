@@ -263,15 +263,16 @@ class RunTracker(_ClientHolder):
         config_tree: dict[str, Any] | Any,
         known_id: str | None = None,
         by_name: bool = True,
-        created: Callable[[str], None] | None = None,
+        record: Callable[[str], None] | None = None,
     ) -> str:
         """The parent run's id for `run_name`: re-attached (set RUNNING again) if it exists.
 
         `known_id`: the parent the run's folder recorded, re-attached if the store still has it;
         otherwise, if `by_name`, the oldest parent tagged with `run_name`; else a new run (a run
         folder deleted and started again under the same name is a new run, not the old one's
-        continuation, whose MLflow run keeps its history); `created(run_id)` is called at once for
-        a new one (before anything is logged to it: a crash leaves no parent unrecorded). Logs the
+        continuation, whose MLflow run keeps its history). `record(run_id)` is called whenever the
+        parent is not `known_id`, before anything is logged to it (a crash leaves no parent
+        unrecorded). Logs the
         flattened, redacted config as params (only keys not yet present: params are immutable)
         and the redacted config as `config.yaml` (only if missing, so it keeps describing the
         config the params came from).
@@ -286,11 +287,11 @@ class RunTracker(_ClientHolder):
             run = self._find_run(tags)
         if run is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-            if created is not None:
-                created(run.info.run_id)
         else:
             self._reactivate(run)
         run_id = run.info.run_id
+        if record is not None and run_id != known_id:
+            record(run_id)
         safe_tree = redact(config_tree)
         self._log_params(run_id, flatten(safe_tree), run.data.params)
         if not any(f.path == CONFIG_ARTIFACT for f in self.client.list_artifacts(run_id)):
