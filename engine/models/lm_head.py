@@ -5,7 +5,9 @@ V = 49152: 1.6 GB, and log_softmax keeps another). Here the model runs its own f
 DeepSpeed engine counts its micro-steps there) with the LM head's input captured and the head
 itself fed zero positions; the head is then applied to `chunk_tokens` positions at a time, each
 chunk under activation checkpointing, so autograd keeps only the hidden states and the per-token
-results, and recomputes one chunk's logits at a time in the backward pass.
+results, and recomputes one chunk's logits at a time in the backward pass. Up to MAX_KEPT_LOGITS
+logits in all, the chunks are kept instead of recomputed: there the recompute costs more time than
+the memory is worth.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ CHUNK_TOKENS: int | None = 1024
 # Below this many logits (positions x vocabulary; 4 MB in fp32) the head runs whole, as before:
 # nothing to save, and a tiny model's numbers stay bit for bit what they were.
 MIN_CHUNKED_LOGITS = 2**20
+# Up to this many logits (64 MB in fp32) autograd keeps each chunk's vocabulary-wide tensors for the
+# backward (about three of them: ~190 MB at most) instead of running the head and its softmax again
+# there. At SmolLM2, 8 x 32 response tokens (the bench's GRPO batch), the actor's forward and backward
+# took 1.70 s recomputed and 1.57 s kept, with the same gradients bit for bit (bench/NOTES.md, change 6).
+MAX_KEPT_LOGITS = 2**24
 
 
 def _inner_model(model: nn.Module) -> tuple[nn.Module, Any]:
@@ -97,12 +104,14 @@ def chunked_head_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropies of `targets` [B, K] given the head's input `hidden` [B, K, H].
 
-    Returns [B, K] float32 tensors (nats); the entropy is None unless asked. With gradients on,
-    each chunk of `chunk_tokens` positions is checkpointed: its [chunk, V] logits live only while
-    it is computed."""
+    Returns [B, K] float32 tensors (nats); the entropy is None unless asked. With gradients on and
+    more than MAX_KEPT_LOGITS logits in all, each chunk of `chunk_tokens` positions is
+    checkpointed: its [chunk, V] logits live only while it is computed."""
     shape = targets.shape
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    track = torch.is_grad_enabled() and flat_hidden.requires_grad
+    vocab = getattr(head, "out_features", None)
+    small = vocab is not None and flat_targets.numel() * vocab <= MAX_KEPT_LOGITS
+    recompute = torch.is_grad_enabled() and flat_hidden.requires_grad and not small
 
     def stats(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with head_context():
@@ -111,7 +120,7 @@ def chunked_head_logprobs(
     parts = []
     for start in range(0, flat_targets.shape[0], chunk_tokens):
         h, t = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
-        parts.append(checkpoint(stats, h, t, use_reentrant=False) if track else stats(h, t))
+        parts.append(checkpoint(stats, h, t, use_reentrant=False) if recompute else stats(h, t))
     if not parts:
         empty = flat_hidden.new_zeros(0, dtype=torch.float32).reshape(shape)
         return empty, (empty if with_entropy else None)

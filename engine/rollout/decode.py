@@ -7,11 +7,11 @@ mask building, seven matmuls per layer, and a multinomial draw that fills an exp
 for every vocabulary entry of every row. For Llama-family decoders (ARCHITECTURES) this module
 runs its own layer loop (_FastSteps), ~47 ms per step:
   - q/k/v and gate/up weights concatenated: four matmuls per layer instead of seven;
-  - wide matrices (gate/up, a large-vocabulary head) reordered into oneDNN's blocked layout for
-    the batch, which reads them at 8 rows ~1.4-2.6x faster than the plain layout;
+  - every weight matrix reordered into oneDNN's blocked layout for the batch, which reads it at
+    8 rows up to ~2x faster than MKL reads the plain layout;
   - q/k rows paired so the rotary embedding is one complex multiply;
   - a preallocated KV cache and one boolean key mask, written in place;
-  - the residual adds fused into the o/down matmuls where packed.
+  - the residual adds fused into the o/down matmuls.
 Any other model, a GPU, or ZeRO-3's partitioned weights (whose forwards must run in lockstep on
 every rank) step through the model's own cached forward instead (_ModelSteps); `unsupported_reason`
 says why.
@@ -118,8 +118,9 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, batch: int, pack: bool) -> _Linear:
-    if pack and _can_pack(weight):
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, batch: int) -> _Linear:
+    """The matrix in oneDNN's layout for `batch` rows where this build has oneDNN, else as is."""
+    if _can_pack(weight):
         return _Linear(torch.ops.mkldnn._reorder_linear_weight(weight, batch), bias, True)
     return _Linear(weight.contiguous(), bias, False)
 
@@ -155,12 +156,12 @@ def decoder_weights(model: torch.nn.Module, batch: int) -> DecoderWeights:
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-        # Packed (reordered per call, about a copy's cost) only where the output is at least 3x the
-        # input: those read their weights at 8 rows markedly faster so, the others do not (per
-        # decode step, all layers, caches cold; SmolLM2: gate/up 21.0 -> 13.4 ms, head 14.8 -> 5.7,
-        # q/k/v (1.7x) 5.6 -> 5.5; the 50M bench model: q/k/v (3x) 4.9 -> 3.6, gate/up 9.0 -> 5.8;
-        # o and down no better, a 351-token head slower).
-        return _linear(weight, bias, batch, pack=weight.shape[0] >= 3 * weight.shape[1])
+        # Every matrix packed (reordered per call, about a copy's cost: +0.03 s at SmolLM2). Packing
+        # only the wide ones (output >= 3x input) left q/k/v, o and down on MKL's plain-layout path,
+        # which reads weights at ~10 GB/s here against ~19 packed: a whole 32-token decode, same
+        # tokens, measured side by side (bench/NOTES.md, change 6): SmolLM2 batch 8 1.81 -> 1.50 s,
+        # batch 32 3.76 -> 3.37 s; the 50M bench model 0.62 -> 0.51 s; the demo's tiny Llama even.
+        return _linear(weight, bias, batch)
 
     layers = []
     for i in range(cfg.num_hidden_layers):

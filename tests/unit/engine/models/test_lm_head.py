@@ -121,9 +121,32 @@ def saved_logit_elements(model, ids, forward, chunk) -> int:
     return sum(sizes)
 
 
-def test_no_full_width_logits_are_kept_for_the_backward_pass():
+def test_no_full_width_logits_are_kept_for_the_backward_pass(monkeypatch):
+    from rlflow.engine.models import lm_head
+
     model = tiny_llama()
     ids, forward = batch(rows=4, width=40)
     full = 4 * 39 * VOCAB  # one fp32 [B, T, V]
+    monkeypatch.setattr(lm_head, "MAX_KEPT_LOGITS", full - 1)
     assert saved_logit_elements(model, ids, forward, None) >= full  # the unchunked path keeps them
     assert saved_logit_elements(model, ids, forward, 16) == 0  # chunks are recomputed in the backward
+
+
+def test_small_heads_keep_their_chunks_with_the_same_results_bit_for_bit(monkeypatch):
+    """Up to MAX_KEPT_LOGITS logits the chunks are kept for the backward, not recomputed: a saving
+    of time only, so log-probs, entropies and every gradient equal the recomputed path's exactly."""
+    from rlflow.engine.models import lm_head
+
+    model = tiny_llama()
+    ids, forward = batch(rows=4, width=40)
+    full = 4 * 39 * VOCAB
+    results = {}
+    for bound in (full - 1, full):  # one logit over the bound: recomputed; at it: kept
+        monkeypatch.setattr(lm_head, "MAX_KEPT_LOGITS", bound)
+        results[bound] = run(model, ids, forward, 16, start=1)
+        kept = saved_logit_elements(model, ids, forward, 16)
+        assert (kept > 0) == (bound == full), (bound, kept)
+    recomputed, kept = results[full - 1], results[full]
+    assert torch.equal(recomputed[0], kept[0]) and torch.equal(recomputed[1], kept[1])
+    assert recomputed[2].keys() == kept[2].keys()
+    assert all(torch.equal(recomputed[2][name], kept[2][name]) for name in kept[2])
