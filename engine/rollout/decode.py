@@ -1,11 +1,12 @@
 """rlflow's own KV-cached sampling loop, used for every rollout and evaluation in place of HF `generate`.
 
 Why: sampling is the largest phase of an RL step on a CPU. At SmolLM2-135M, batch 8, HF `generate`
-spends ~70 ms per decode step (bench/decode_floor.py). The weight matmuls take ~35 ms of it and
-the memory-bandwidth floor is ~21 ms. The rest is library overhead: module calls, cache objects,
-mask building, seven matmuls per layer, and a multinomial draw that fills an exponential variate
-for every vocabulary entry of every row. For Llama-family decoders (ARCHITECTURES) this module
-runs its own layer loop (_FastSteps), ~47 ms per step:
+spends 73-109 ms per decode step (bench/decode_floor.py; Intel Xeon, AMD EPYC), against a
+memory-bandwidth floor of 17-21 ms. The rest is the weight matmuls at MKL's plain-layout speed and
+library overhead: module calls, cache objects, mask building, seven matmuls per layer, and a
+multinomial draw that fills an exponential variate for every vocabulary entry of every row. For
+Llama-family decoders (ARCHITECTURES) this module runs its own layer loop (_FastSteps), 49 ms per
+step on the EPYC (2.8x its floor):
   - q/k/v and gate/up weights concatenated: four matmuls per layer instead of seven;
   - every weight matrix reordered into oneDNN's blocked layout for the batch, which reads it at
     8 rows up to ~2x faster than MKL reads the plain layout;
