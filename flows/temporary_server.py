@@ -7,7 +7,7 @@ found it. `start_temporary_server` starts the same server before the flow (Prefe
 uses it: one temporary server per process) and a watchdog process that stops it once the run's
 process is gone, however it ended.
 
-    python -m rlflow.flows.temporary_server RUN_PID SERVER_PID   # the watchdog; started for you
+    python -m rlflow.flows.temporary_server RUN_PID SERVER_PID SERVER_START_TIME   # the watchdog; started for you
 """
 
 from __future__ import annotations

@@ -272,10 +272,9 @@ class RunTracker(_ClientHolder):
         folder deleted and started again under the same name is a new run, not the old one's
         continuation, whose MLflow run keeps its history). `record(run_id)` is called whenever the
         parent is not `known_id`, before anything is logged to it (a crash leaves no parent
-        unrecorded). Logs the
-        flattened, redacted config as params (only keys not yet present: params are immutable)
-        and the redacted config as `config.yaml` (only if missing, so it keeps describing the
-        config the params came from).
+        unrecorded). Logs the flattened, redacted config as params (only keys not yet present:
+        params are immutable) and the redacted config as `config.yaml` (only if missing, so it
+        keeps describing the config the params came from).
         """
         if hasattr(config_tree, "model_dump"):  # a pydantic Config is accepted too
             config_tree = config_tree.model_dump(mode="json")

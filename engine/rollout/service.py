@@ -225,9 +225,9 @@ class RolloutService:
             metrics |= {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
             if self.cfg.check_fingerprint:
 
-                def own() -> None:
-                    trainer = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)
-                    self.trainer_fingerprint = trainer
+                def own() -> None:  # the trainer hashes its weights while the worker hashes its own
+                    params, dtype = actor.named_full_parameters(), self.client.dtype
+                    self.trainer_fingerprint = weights_fingerprint(params, round_to=dtype)
 
                 self.worker_fingerprint = self.client.fingerprint(meanwhile=own)
         self.version = version
