@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlflow.configs import shipped_file
 from rlflow.engine.errors import ConfigError
 
 # (column, stage, metric): the eval child logs "before" at step 0 and "after" at step 1.
@@ -26,7 +27,7 @@ TABLE_COLUMNS = (
     ("rm_acc", "rm", "rm/accuracy"),
     ("ppo_tok_s", "ppo", "perf/throughput@mean"),
 )
-PRICES = Path(__file__).resolve().parents[1] / "configs" / "prices.yaml"
+PRICES = shipped_file("prices.yaml")  # configs/prices.yaml, in the source tree or the installed wheel
 CURVES = (("reward", "critic/score/mean"), ("KL", "actor/kl"), ("response length", "response_length/mean"))
 
 

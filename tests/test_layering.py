@@ -29,8 +29,8 @@ def test_import_contracts_hold():
 
 @pytest.fixture
 def copy_of_the_tree(tmp_path: Path) -> Path:
-    """The three packages and pyproject.toml, importable under their rlflow names from tmp_path."""
-    for folder in ("engine", "tasks", "flows"):
+    """The packages and pyproject.toml, importable under their rlflow names from tmp_path."""
+    for folder in ("engine", "tasks", "flows", "configs"):
         shutil.copytree(ROOT / folder, tmp_path / "rlflow" / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.engine.config.schema import Config, apply_override, build_config, load_config
+from rlflow.flows.compare import PRICES
 from rlflow.engine.errors import ConfigError, RlflowError
 from rlflow.engine.estimate.cost import MEMORY_MARGIN, Estimate, Recommendation, estimate_ppo, recommend
 from rlflow.engine.estimate.hardware import CPU_DEVICE, DeviceSpec, device_spec, load_price_book, measure_cpu
@@ -30,7 +31,6 @@ from rlflow.engine.estimate.workload import (
     Workload,
 )
 
-DEFAULT_PRICES = Path(__file__).resolve().parents[2] / "configs" / "prices.yaml"
 
 
 def read_config(config: str | None, overrides: list[str]) -> Config:
@@ -226,7 +226,7 @@ def estimate_config(
     """(estimate, currency) of a config as it stands, as `rlflow estimate CONFIG` without flags would
     give it; on `device_name` (default: resources.gpu_type, else this machine's CPU)."""
     flags = dict.fromkeys(("zero", "offload", "gpus", "rollout", "rollout_gpus", "model", "pairs"))
-    args = argparse.Namespace(**flags, gpu=device_name, reward_model=reward_model, prices=str(DEFAULT_PRICES))
+    args = argparse.Namespace(**flags, gpu=device_name, reward_model=reward_model, prices=str(PRICES))
     device, currency = resolve_device(args, config)
     workload, strategy, _ = build_inputs(config, args, device)
     return estimate_ppo(workload, strategy, device, currency), currency
@@ -459,7 +459,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rollout-gpus", type=int, help="GPUs only the vLLM server uses (default: from placement)")
     p.add_argument("--pairs", type=int, help="DPO: preference pairs per epoch (default: counted in data.preferences)")
     p.add_argument(
-        "--prices", default=str(DEFAULT_PRICES), help="devices and prices YAML (default: configs/prices.yaml)"
+        "--prices", default=str(PRICES), help="devices and prices YAML (default: configs/prices.yaml)"
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(handler=command_estimate)

@@ -198,7 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     configure_prefect_env()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling a positional list at the first flag: `run CONFIG --dry-run a.b=c` is meant too.
+    if extra and isinstance(getattr(args, "overrides", None), list) and all("=" in e and e[0] != "-" for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.handler(args)
     except RunHalted as exc:  # a guard stopped the run at a checkpoint: the message says how to continue
