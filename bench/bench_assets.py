@@ -14,7 +14,8 @@ Writes, once (a stamp file makes later calls return at once):
 The tokenizer saved with each model carries an EOS (<|bench_eos|>, id = vocab_size: 351, or 49152 for
 SmolLM2) that lies outside the model's logits: no response can end early (SmolLM2's <|im_end|> is then an
 ordinary token), so both sides always sample exactly max_new_tokens.
-Also the workload helpers both workers share: the prompt ids, and how busy other processes kept the CPU.
+Also the workload helpers both workers share: the prompt ids, how busy other processes kept the CPU,
+and rlflow's side of every bench script: `open_rl_run`, the RL-run entry point on a bench's models.
 """
 
 from __future__ import annotations
@@ -138,6 +139,39 @@ def prompt_ids(tokenizer, prompts_file: str, batch: int, max_prompt_tokens: int)
         texts = [json.loads(line)["prompt"] for line in f if line.strip()][:batch]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [list(row)[-max_prompt_tokens:] for row in ids]
+
+
+def open_rl_run(tree: dict, policy: str, reward_model: str | None, critic: str | None, prompts_file: str,
+                rows: int, max_prompt_tokens: int, runtime=None):
+    """rlflow's RL steps on a bench's models, opened as the stage opens them (engine/stages/rl/run.py):
+    `tree` a config tree (rl, algorithm, kl, sampling, rollout, reward, ...), the first `rows` prompts of
+    `prompts_file` as the step's prompts (and its evaluations'), the reward model's scores raw. Returns
+    the open RLRun (close it, or use `with`)."""
+    import tempfile
+
+    from rlflow.engine.backend.factory import make_runtime
+    from rlflow.engine.config.execution import EngineConfig
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.stages.catalog import stage_inputs
+    from rlflow.engine.stages.inputs import ModelInput, RewardModelInput
+    from rlflow.engine.stages.rl.inputs import RLUpstream
+    from rlflow.engine.stages.rl.run import RLRun
+
+    lines = Path(prompts_file).read_text().splitlines(keepends=True)[:rows]
+    kept = Path(tempfile.mkdtemp(prefix="rlflow-bench-")) / "prompts.jsonl"
+    kept.write_text("".join(lines))
+    data = {"prompts": str(kept), "eval_prompts": str(kept), "max_prompt_tokens": max_prompt_tokens}
+    cfg = build_config(tree | {"data": data, "model": tree.get("model", {}) | {"path": policy}}, "bench")
+    model = lambda path: ModelInput(uri=path, identity="bench")  # noqa: E731  # nothing is stored
+    upstream = RLUpstream(
+        policy=model(policy), reference=model(policy), sft=model(policy),
+        reward_model=None if reward_model is None else RewardModelInput(
+            uri=reward_model, identity="bench", score_norm=(0.0, 1.0)
+        ),
+        critic=None if critic is None else model(critic),
+    )
+    runtime = runtime or make_runtime(EngineConfig(precision="fp32"))
+    return RLRun.open(runtime, stage_inputs(cfg, "rl", upstream))
 
 
 def ids_crc(ids: list[list[int]]) -> int:

@@ -10,7 +10,6 @@ SFT: seconds per step and bytes of activations saved for backward (one step, sum
 
 from __future__ import annotations
 
-import dataclasses
 import argparse
 import json
 import os
@@ -26,45 +25,35 @@ from rlflow.engine.backend import dist
 from rlflow.engine.backend.runtime import OptimSpec, Runtime
 from rlflow.engine.backend.factory import make_runtime
 from rlflow.engine.data.batching import encode_pair
-from rlflow.engine.config.schema import build_config
-from rlflow.engine.config.execution import RolloutConfig
 from rlflow.engine.config.execution import EngineConfig
-from rlflow.engine.data.records import load_prompts, load_sft_examples
-from rlflow.engine.stages.evaluation import encode_prompt_set
+from rlflow.engine.data.records import load_sft_examples
 from rlflow.engine.models.loading import load_policy, load_tokenizer
-from rlflow.engine.stages.rl.step import make_controller, ppo_step
-from rlflow.engine.stages.rl.experience import Objective
-from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
-from rlflow.engine.rollout.service import RolloutService
 from rlflow.engine.stages.sft import sft_train_step
 from rlflow.engine.stages.context import StageContext
 
 ASSETS = Path("demo_assets")
 
 
-def zero_gold(prompt, response, **fields):
-    return 0.0
-
-
 def ppo_seconds(engine_cfg: EngineConfig, server: bool, steps: int) -> list[float]:
+    """Seconds of each PPO step after the first, opened by the RL-run entry point (bench_assets.open_rl_run)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_assets import open_rl_run
+
     model = str(ASSETS / "tiny-model")
-    tree = {"ppo": {"rollout_batch": 64, "mini_batch": 32, "epochs": 2}, "sampling": {"max_new_tokens": 24}}
-    cfg = build_config(tree, "bench")
-    runtime = make_runtime(engine_cfg)
-    models = load_ppo_models(PPOInputs(model, model, model, model, (0.0, 1.0), model), cfg.model, cfg.ppo, zero_gold, runtime)
-    if server:
-        service = RolloutService.start(RolloutConfig(mode="server"), model, models.tokenizer, models.actor, None)
-        models = dataclasses.replace(models, rollout=service)
-    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(str(ASSETS / "data/prompts.jsonl")), 32, "truncate", "p")
-    controller, times = make_controller(cfg.kl), []
-    try:
+    tree = {
+        "rl": {"rollout_batch": 64, "mini_batch": 32, "epochs": 2},
+        "sampling": {"max_new_tokens": 24},
+        "rollout": {"mode": "server" if server else "colocated"},
+    }
+    times = []
+    prompts = str(ASSETS / "data/prompts.jsonl")
+    with open_rl_run(tree, model, model, model, prompts, 10**9, 32, make_runtime(engine_cfg)) as run:
+        if server:
+            run.start_rollout()
         for step in range(1, steps + 1):
             started = time.monotonic()
-            ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, 32, Objective.of(cfg))
+            run.step(step)
             times.append(time.monotonic() - started)
-    finally:
-        if models.rollout is not None:
-            models.rollout.close()
     return times[1:]  # the first step pays one-time costs
 
 

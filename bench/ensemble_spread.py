@@ -32,7 +32,7 @@ from rlflow.engine.rewards.user_functions import load_bound_function, score_answ
 from rlflow.engine.rollout.generate import generate_rollouts
 from rlflow.engine.seeds import step_seed
 from rlflow.engine.stages.context import StageContext
-from rlflow.engine.stages.evaluation import encode_prompt_set
+from rlflow.engine.data.prompts import encode_prompt_set
 from rlflow.engine.stages.reward_model import _pair_rows, rm_train_step, score_statistics
 from rlflow.engine.storage.checkpoint import CheckpointStore, model_location, stage_prefix
 from rlflow.flows.plan import load_run_config

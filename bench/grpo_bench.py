@@ -22,7 +22,7 @@ GRPO_SIZES = {
 GRPO_WORKLOAD = {  # on top of the PPO workload's max_new_tokens, max_prompt_tokens, warmup, lr, seed, threads
     "beta": 0.05,  # TRL beta; rlflow kl.loss_coef
     "kl_loss_type": "k3",  # rlflow kl.estimator; TRL's KL loss is k3 (exp(ref - logp) - (ref - logp) - 1)
-    "loss_agg": "token-mean",  # rlflow ppo.loss_agg
+    "loss_agg": "token-mean",  # rlflow rl.loss_agg
     "trl_loss_type": "dapo",  # TRL's token-mean over the accumulated batch: here the step's whole batch
 }
 GRPO_NOTES = [
@@ -35,7 +35,7 @@ GRPO_NOTES = [
     "one optimizer step (it takes per_token_logps.detach()); rlflow takes the update forward's own detached "
     "log-probs (single_pass_update), so the importance ratio is exactly 1 on both.",
     "GRPO: group advantages are (r - group mean) / (group std + eps), unbiased std on both; eps is 1e-4 in TRL, "
-    "1e-6 in rlflow. TRL's clip range is epsilon 0.2, rlflow's ppo.clip_ratio 0.2 (inactive at ratio 1).",
+    "1e-6 in rlflow. TRL's clip range is epsilon 0.2, rlflow's rl.clip_ratio 0.2 (inactive at ratio 1).",
     "GRPO: both clip the gradient norm at 1.0 (TRL through the transformers Trainer loop) and step one fused "
     "AdamW (lr 1e-5, betas (0.9, 0.95), no weight decay, constant schedule).",
     "GRPO: TRL's loop also decodes every prompt and completion to text, logs, and repeats its per-step "

@@ -31,8 +31,9 @@ from rlflow.engine.promotion.gates import decide_promotion
 from rlflow.engine.rewards.model_scores import ScoringModels
 from rlflow.engine.rewards.user_functions import load_bound_function
 from rlflow.engine.seeds import step_seed
-from rlflow.engine.stages.evaluation import encode_prompt_set, evaluate_policy
-from rlflow.engine.stages.label_eval import paired_metrics
+from rlflow.engine.data.prompts import encode_prompt_set
+from rlflow.engine.stages.evaluation import evaluate_policy
+from rlflow.engine.stages.round_eval import paired_metrics
 from rlflow.engine.storage.checkpoint import CheckpointStore, model_location, stage_prefix
 from rlflow.flows.plan import load_run_config
 

@@ -13,7 +13,6 @@ engine.* keys (both sides): what a step's peak costs with micro-batches or gradi
 
 from __future__ import annotations
 
-import dataclasses
 import argparse
 import json
 import resource
@@ -46,46 +45,29 @@ def sft_step(model_dir: str, engine_keys: dict) -> None:
 
 
 def rl_step(model_dir: str, algorithm: str, engine_keys: dict) -> dict:
+    """One RL step of `algorithm` on reasoning-gym's chain_sum, opened by the RL-run entry point."""
     from rlflow.engine.backend.factory import make_runtime
-    from rlflow.engine.config.schema import build_config
     from rlflow.engine.config.execution import EngineConfig
-    from rlflow.engine.data.records import load_prompts
-    from rlflow.engine.stages.evaluation import encode_prompt_set
-    from rlflow.engine.stages.rl.experience import Objective
     from rlflow.engine.tasksets.gym import write_gym_dataset
-    from rlflow.engine.stages.rl.step import make_controller, ppo_step
-    from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
-    from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
+
+    from bench_assets import open_rl_run
 
     prompts_n, n = (8, 4) if algorithm == "grpo" else (32, 1)
     tree = {
-        "model": {"path": model_dir},
         "algorithm": {"name": algorithm},
         "rollout": {"n": n, "generate_batch": prompts_n * n},
-        "ppo": {"rollout_batch": prompts_n, "mini_batch": prompts_n, "epochs": 1, "actor_lr": 1e-6,
-                "critic_init": "policy"},
+        "rl": {"rollout_batch": prompts_n, "mini_batch": prompts_n, "epochs": 1, "actor_lr": 1e-6},
+        "ppo": {"critic_init": "policy"},
         "kl": {"stop_above": None},
         "sampling": {"max_new_tokens": 32},
         "reward": {"sources": [{"name": "correct", "type": "gym", "kwargs": {"extract": "last_number"}}]},
     }
-    cfg = build_config(tree, "bench")
     runtime = make_runtime(EngineConfig(**({"precision": "fp32"} | engine_keys)))
     critic = model_dir if algorithm == "ppo" else None
-    models = load_ppo_models(
-        PPOInputs(model_dir, model_dir, model_dir, None, None, critic), cfg.model, cfg.ppo, lambda *a, **k: 0.0, runtime
-    )
-    pool = start_reward_pool(cfg.reward)
-    source = build_reward_source(cfg.reward, models.scoring, None, pool, runtime, cfg.model)
-    models = dataclasses.replace(models, reward=source)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = write_gym_dataset("chain_sum", tmp, prompts_n, 1, 0, CHAIN, "last_number")["paths"]
-        records = load_prompts(paths["prompts"])
-    prompts, _, _ = encode_prompt_set(models.tokenizer, records, 96, "truncate", "bench")
-    objective = Objective.of(cfg)
-    try:
-        return ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, prompts_n * n, objective)
-    finally:
-        pool.close()
+        prompts = write_gym_dataset("chain_sum", tmp, prompts_n, 1, 0, CHAIN, "last_number")["paths"]["prompts"]
+        with open_rl_run(tree, model_dir, None, critic, prompts, prompts_n, 96, runtime) as run:
+            return run.step(1)
 
 
 def run_case(case: str, model_dir: str, chunked: bool, engine_keys: dict) -> dict:

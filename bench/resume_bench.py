@@ -27,6 +27,9 @@ from rlflow.engine.tasksets.demo import make_demo_assets, make_tiny_model
 from rlflow.engine.telemetry.metrics import EVENT_PREFIX
 from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.config.secrets import redact
+from rlflow.engine.stages.identity import IDENTITY_FORMAT
+from rlflow.engine.stages.inputs import ModelInput
+from rlflow.engine.stages.sft import SFTUpstream
 from rlflow.engine.stages.worker import StageCall, write_spec
 
 SIZES = {"0.4M": (128, 2), "21M": (512, 8), "130M": (1024, 12)}  # name -> (hidden, layers)
@@ -66,13 +69,14 @@ def measure(name: str, hidden: int, layers: int, assets: Path, work: Path) -> di
         "sft": {"max_steps": 2, "batch_size": 8, "eval_every": 100, "log_every": 1, "warmup_steps": 0},
         "checkpoint": {"every_steps": 1, "keep_last": 2, "consolidate_every": 100},
     }
+    init = ModelInput(uri=str(model_dir), identity="bench")
     call = StageCall(
         stage="sft",
         store_url=f"{work}/runs-{name}/sft",
         round_index=0,
         identity="bench",
-        identity_tree={},
-        init_path=str(model_dir),
+        identity_tree={"format": IDENTITY_FORMAT},
+        upstream=SFTUpstream(init=init).model_dump(mode="json"),
     )
     spec = work / f"spec-{name}.json"
     write_spec(str(spec), redact(build_config(tree, "bench").model_dump(mode="json")), call, str(work / "outcome.json"))

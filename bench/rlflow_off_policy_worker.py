@@ -1,5 +1,5 @@
 """One (size, algorithm) of bench/off_policy_bench.py, in its own process: rlflow's RL step under each
-rollout mode, one after the other on the same loaded models.
+rollout mode, one after the other, each opened afresh by the RL-run entry point (bench_assets.open_rl_run).
 
     python bench/rlflow_off_policy_worker.py '<workload JSON>'     # normally started by off_policy_bench.py
 
@@ -13,14 +13,13 @@ Modes, each `warmup` untimed steps then `updates` timed ones (steps/s = updates 
 - sync_slow, off_policy_slow and async_slow: the faster sync mode, off_policy and async again with a reward function
   that sleeps (bench/slow_judge.py, weight 0, one pool worker): half the faster sync mode's median
   sampling time per batch, no CPU.
-The actor trains on through the modes (a worker gets its current weights when it starts); the
-workload's shapes never change (responses are always max_new_tokens long), so the timings compare.
+Every mode starts from the same policy; the workload's shapes never change (responses are always
+max_new_tokens long), so the timings compare.
 Prints one line `BENCH_JSON {...}`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -28,26 +27,14 @@ import time
 
 import torch
 
-from bench_assets import emit_result
+from bench_assets import emit_result, open_rl_run
 from rlflow_grpo_worker import grpo_tree
+from rlflow_ppo_worker import ppo_tree
 
 SYNC_MODES = {"sync_colocated": ("colocated", 0, 2, None), "sync_server": ("server", 0, 2, 2)}
 OFF_POLICY = ("server", 1, 1, 1)  # mode, off_policy_steps, trainer threads, worker threads
 OFF_POLICY_SHARED = ("server", 1, 2, 1)  # the trainer keeps both cores, the worker takes one of them
 ASYNC = ("server", -1, 1, 1)  # k -1: rollout.async, max_staleness 1, partial rollouts
-
-
-def ppo_tree(work: dict) -> dict:
-    """The PPO bench's configuration (bench/rlflow_ppo_worker.py): one epoch, one mini-batch, a critic."""
-    batch = work["batch"]
-    ppo = {"rollout_batch": batch, "mini_batch": batch, "epochs": 1, "actor_lr": work["lr"], "critic_lr": work["lr"]}
-    return {
-        "ppo": ppo | {"whiten_advantages": True, "max_grad_norm": 1.0},
-        "kl": {"controller": "fixed", "coef": work["kl_coef"], "stop_above": None},
-        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": work["max_new_tokens"]},
-        "rollout": {"generate_batch": batch},
-        "model": {"path": work["policy"], "dtype": "float32"},
-    }
 
 
 def mode_tree(work: dict, mode: str, k: int, worker_threads: int | None, row_delay_s: float) -> dict:
@@ -64,72 +51,37 @@ def mode_tree(work: dict, mode: str, k: int, worker_threads: int | None, row_del
 
 
 class Bench:
-    """The models, loaded once, and one run of steps per mode."""
+    """One run of steps per mode, each on models opened afresh."""
 
     def __init__(self, work: dict):
-        from rlflow.engine.backend.factory import make_runtime
-        from rlflow.engine.config.execution import EngineConfig
-        from rlflow.engine.config.schema import build_config
-        from rlflow.engine.data.records import load_prompts
-        from rlflow.engine.stages.evaluation import encode_prompt_set
-        from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
-
         self.work = work
-        cfg = build_config(mode_tree(work, "colocated", 0, None, 0.0), "bench")
-        self.runtime = make_runtime(EngineConfig(precision="fp32"))
-        policy, rm = work["policy"], work["rm"]
-        critic = rm if work["algo"] == "ppo" else None
-        inputs = PPOInputs(policy, policy, policy, rm, (0.0, 1.0), critic)
-        self.models = load_ppo_models(inputs, cfg.model, cfg.ppo, lambda prompt, response, **f: 0.0, self.runtime)
-        rows = work["batch"] if work["algo"] == "ppo" else work["prompts_per_iter"]
-        records = load_prompts(work["prompts"])[:rows]
-        tokenizer = self.models.tokenizer
-        self.prompts, _, _ = encode_prompt_set(tokenizer, records, work["max_prompt_tokens"], "truncate", "bench")
+        self.ids: list[list[int]] = []  # the prompts' token ids (the same in every mode)
 
     def run(self, name: str, mode: str, k: int, threads: int, worker_threads: int | None, delay_s: float) -> dict:
         """`warmup` + `updates` steps in one mode; delay_s: the slow judge's seconds per batch."""
-        from rlflow.engine.config.schema import build_config
-        from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
-        from rlflow.engine.rollout.service import AheadStart, RolloutService
-        from rlflow.engine.stages.rl.experience import Objective
-        from rlflow.engine.seeds import step_seed
-        from rlflow.engine.stages.rl.step import make_controller, ppo_step, rollout_plan, stream_prompts
-
         work = self.work
         torch.set_num_threads(threads)
         steps = work["warmup"] + work["updates"]
-        probe = build_config(mode_tree(work, mode, k, worker_threads, 0.0), "bench")
-        rows = probe.ppo.rollout_batch * probe.rollout.n
-        cfg = build_config(mode_tree(work, mode, k, worker_threads, delay_s / rows), "bench")
-        objective, controller = Objective.of(cfg), make_controller(cfg.kl)
-        pool = start_reward_pool(cfg.reward)
-        source = build_reward_source(cfg.reward, self.models.scoring, None, pool, self.runtime, cfg.model)
-        service = None
-        if mode == "server":
-            plan = rollout_plan(self.prompts, cfg.ppo, objective, work["seed"], 0, cfg.rollout.generate_batch)
-            index_of = stream_prompts(len(self.prompts.token_ids), cfg.ppo, work["seed"], 0)
-            prompt_of = lambda group: self.prompts.token_ids[index_of(group)]  # noqa: E731
-            seed = step_seed(work["seed"], 0, 12)
-            ahead = AheadStart(plan, steps, 0, {}, prompt_of, cfg.ppo.rollout_batch, seed)
-            tokenizer, actor = self.models.tokenizer, self.models.actor
-            service = RolloutService.start(cfg.rollout, work["policy"], tokenizer, actor, None, None, ahead)
-        models = dataclasses.replace(self.models, rollout=service, reward=source)
+        shape = mode_tree(work, mode, k, worker_threads, 0.0)
+        rows = shape["rl"]["rollout_batch"] * shape["rollout"].get("n", 1)
+        tree = mode_tree(work, mode, k, worker_threads, delay_s / rows)
+        tree["rl"] |= {"steps": steps}  # how far the rollout worker plans ahead
+        ppo = work["algo"] == "ppo"
+        prompts = work["batch"] if ppo else work["prompts_per_iter"]
         walls, phases = [], []
-        try:
+        with open_rl_run(tree, work["policy"], work["rm"], work["rm"] if ppo else None, work["prompts"], prompts,
+                         work["max_prompt_tokens"]) as run:
+            self.ids = [list(t) for t in run.prompts.token_ids]
+            if mode == "server":
+                run.start_rollout()
             for step in range(1, steps + 1):
                 started = time.monotonic()
-                batch = cfg.rollout.generate_batch
-                metrics = ppo_step(models, controller, cfg.ppo, self.prompts, work["seed"], 0, step, batch, objective)
+                metrics = run.step(step)
                 wall = time.monotonic() - started
                 check(name, step, k, metrics, work["max_new_tokens"])
                 if step > work["warmup"]:
                     walls.append(wall)
                     phases.append({key: v for key, v in metrics.items() if key.startswith("timing_s/")})
-        finally:
-            if service is not None:
-                service.close()
-            if pool is not None:
-                pool.close()
         keys = sorted({key for p in phases for key in p})
         return {
             "name": name,
@@ -163,8 +115,7 @@ def main() -> None:
     runs["sync_slow"] = bench.run("sync_slow", *SYNC_MODES[faster], delay) | {"mode": faster}
     runs["off_policy_slow"] = bench.run("off_policy_slow", *OFF_POLICY, delay)
     runs["async_slow"] = bench.run("async_slow", *ASYNC, delay)
-    ids = [list(t) for t in bench.prompts.token_ids]
-    emit_result(work, ids, {"side": "rlflow", "algo": work["algo"], "runs": runs, "faster_sync": faster})
+    emit_result(work, bench.ids, {"side": "rlflow", "algo": work["algo"], "runs": runs, "faster_sync": faster})
 
 
 if __name__ == "__main__":

@@ -20,54 +20,32 @@ from collections.abc import Callable
 
 import torch
 
-from bench_assets import cpu_snapshot, emit_result, foreign_cores, ids_crc, prompt_ids, wait_quiet
+from bench_assets import cpu_snapshot, emit_result, foreign_cores, ids_crc, open_rl_run, prompt_ids, wait_quiet
+
+
+def ppo_tree(work: dict) -> dict:
+    """The run configuration: one epoch over one mini-batch of the whole batch, a critic, a fixed KL
+    penalty in the reward, whitened advantages."""
+    batch = work["batch"]
+    return {
+        "rl": {"rollout_batch": batch, "mini_batch": batch, "epochs": 1, "actor_lr": work["lr"], "max_grad_norm": 1.0},
+        "ppo": {"critic_lr": work["lr"], "whiten_advantages": True},
+        "kl": {"controller": "fixed", "coef": work["kl_coef"], "stop_above": None},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": work["max_new_tokens"]},
+        "rollout": {"generate_batch": batch},
+        "model": {"dtype": "float32"},
+        "run": {"seed": work["seed"]},
+    }
 
 
 def setup_rlflow(work: dict) -> tuple[Callable[[int], dict[str, float]], list[list[int]], dict]:
-    """Every call into rlflow lives here: its PPO API is being reworked, and this is what to adapt.
-    Returns a function running PPO step `step` (1-based) and returning its metrics, the prompt ids and
-    the resolved PPO config."""
-    from rlflow.engine.backend.factory import make_runtime
-    from rlflow.engine.config.schema import build_config
-    from rlflow.engine.config.execution import EngineConfig
-    from rlflow.engine.data.records import load_prompts
-    from rlflow.engine.stages.evaluation import encode_prompt_set
-    from rlflow.engine.stages.rl.step import make_controller, ppo_step
-    from rlflow.engine.stages.rl.experience import Objective
-    from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
-
-    batch = work["batch"]
-    ppo = {
-        "rollout_batch": batch,
-        "mini_batch": batch,
-        "epochs": 1,
-        "actor_lr": work["lr"],
-        "critic_lr": work["lr"],
-        "whiten_advantages": True,
-        "max_grad_norm": 1.0,
-    }
-    kl = {"controller": "fixed", "coef": work["kl_coef"], "stop_above": None}
-    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": work["max_new_tokens"]}
-    model = {"path": work["policy"], "dtype": "float32"}
-    cfg = build_config({"ppo": ppo, "kl": kl, "sampling": sampling, "model": model}, "bench")
-    runtime = make_runtime(EngineConfig(precision="fp32"))
+    """rlflow's side: PPO steps opened by the RL-run entry point (bench_assets.open_rl_run). Returns a
+    function running PPO step `step` (1-based) and returning its metrics, the prompt ids and the
+    resolved config."""
     policy, rm = work["policy"], work["rm"]
-
-    def no_gold(prompt, response, **fields):
-        return 0.0  # PPO never calls the gold function (evaluation only)
-
-    inputs = PPOInputs(policy, policy, policy, rm, (0.0, 1.0), rm)
-    models = load_ppo_models(inputs, cfg.model, cfg.ppo, no_gold, runtime)
-    records = load_prompts(work["prompts"])[:batch]
-    prompts, _, _ = encode_prompt_set(models.tokenizer, records, work["max_prompt_tokens"], "truncate", "bench")
-    controller = make_controller(cfg.kl)
-
-    objective = Objective.of(cfg)
-
-    def step(index: int) -> dict[str, float]:
-        return ppo_step(models, controller, cfg.ppo, prompts, work["seed"], 0, index, batch, objective)
-
-    return step, [list(t) for t in prompts.token_ids], cfg.ppo.model_dump(mode="json")
+    run = open_rl_run(ppo_tree(work), policy, rm, rm, work["prompts"], work["batch"], work["max_prompt_tokens"])
+    resolved = {k: getattr(run.inputs, k).model_dump(mode="json") for k in ("rl", "ppo")}
+    return run.step, [list(t) for t in run.prompts.token_ids], resolved
 
 
 class Clock:

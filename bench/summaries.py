@@ -31,11 +31,11 @@ RUNS = {  # name -> (make target, overrides)
     "demo-s1": ("demo", "run.seed=1"),
     "server-s0": ("demo", "rollout.mode=server"),
     "lora-s0": ("demo", LORA),
-    "grpo-s0": ("demo", "algorithm.name=grpo rollout.n=4 ppo.rollout_batch=16 ppo.mini_batch=8"),
+    "grpo-s0": ("demo", "algorithm.name=grpo rollout.n=4 rl.rollout_batch=16 rl.mini_batch=8"),
     "dpo-s0": ("demo", DPO),
     "deepspeed-s1": ("demo", "engine.backend=deepspeed run.seed=1"),
     "arith-s0": ("demo-arith", ""),
-    "real-2steps-s0": ("demo-real", "ppo.steps=2"),
+    "real-2steps-s0": ("demo-real", "rl.steps=2"),
 }
 VOLATILE_KEYS = {"run", "run_name", "name"}  # exact keys
 VOLATILE = ("seconds", "path", "uri", "time", "started", "finished", "wall")  # substrings of keys

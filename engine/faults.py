@@ -1,6 +1,6 @@
 """Fault injection for kill, hang and failure tests: RLFLOW_FAULT names one event to fail at.
 
-``RLFLOW_FAULT="<stage>:<event>:<step>"``, e.g. ``ppo:update:3``. Points are placed in the stage
+``RLFLOW_FAULT="<stage>:<event>:<step>"``, e.g. ``rl:update:3``. Points are placed in the stage
 loops and the checkpoint store; a test sets the variable for one subprocess and never sleeps.
 What happens at a matching point depends on the event (``EVENTS``): most die at once like a
 SIGKILL (``os._exit``: no cleanup, no atexit, no flushing of Python buffers).

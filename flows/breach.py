@@ -28,8 +28,9 @@ from prefect.input import RunInput
 from prefect.settings import get_current_settings
 from pydantic import Field
 
-from rlflow.engine.stages.breaker import BREACH_KL, StageOverrides, roll_back
-from rlflow.engine.stages.context import Breach
+from rlflow.engine.stages.breaker import BREACH_KL, roll_back
+
+from rlflow.engine.stages.context import Breach, StageOverrides
 from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.config.schema import Config
 from rlflow.engine.errors import CheckpointError, RunHalted

@@ -25,7 +25,7 @@ TABLE_COLUMNS = (
     ("rm_score", "eval", "eval/rm_score"),
     ("kl", "eval", "eval/kl"),
     ("rm_acc", "rm", "rm/accuracy"),
-    ("ppo_tok_s", "ppo", "perf/throughput@mean"),
+    ("rl_tok_s", "rl", "perf/throughput@mean"),
 )
 PRICES = shipped_file("prices.yaml")  # configs/prices.yaml, in the source tree or the installed wheel
 CURVES = (("reward", "critic/score/mean"), ("KL", "actor/kl"), ("response length", "response_length/mean"))
@@ -97,9 +97,9 @@ def _fill(client: Any, rec: RoundRecord) -> None:
                 rec.values[column] = at[0]
         else:
             rec.values[column] = max(history, key=lambda m: (m.step, m.timestamp)).value
-    if "ppo" in rec.children:
+    if "rl" in rec.children:
         for _, key in CURVES:
-            history = client.get_metric_history(rec.children["ppo"], key)
+            history = client.get_metric_history(rec.children["rl"], key)
             rec.curves[key] = sorted({m.step: m.value for m in history}.items())
 
 
@@ -145,7 +145,7 @@ def format_cell(value: Any, column: str = "") -> str:
         return str(value)
     if column == "cost":
         return f"{value:.4g}"
-    return f"{value:.1f}" if column in ("seconds", "ppo_tok_s") else f"{value:.4f}"
+    return f"{value:.1f}" if column in ("seconds", "rl_tok_s") else f"{value:.4f}"
 
 
 def plot_curves(records: list[RoundRecord]) -> bytes:

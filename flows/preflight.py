@@ -96,7 +96,7 @@ def check_tokenizer(config: Any, prompt_sets: dict[str, list[Any]]) -> None:
     empty would fail the label or PPO stage after SFT and the reward model have trained:
     tokenizing the prompts now takes a second (with an env, as each episode's first messages)."""
     from rlflow.engine.errors import ConfigError
-    from rlflow.engine.stages.evaluation import encode_prompt_set
+    from rlflow.engine.data.prompts import encode_prompt_set
     from rlflow.engine.models.loading import load_tokenizer
 
     template = config.data.chat_template
@@ -234,12 +234,41 @@ def check_preference_sources(config: Any, reward_model: bool) -> None:
         )
 
 
-def check_inputs(config: Any) -> None:
+def check_run_format(root: str, run_name: str, storage_options: dict[str, Any]) -> None:
+    """A run begun by rlflow 0.1 (stage identities listed by hand, the RL stage named ppo) is refused
+    before anything runs: this rlflow cannot tell whether its stages would compute the same. A store
+    that cannot be read is left to the checks that name what is wrong with it."""
+    from fsspec.core import url_to_fs
+
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.stages.identity import IDENTITY_FORMAT, legacy_message
+    from rlflow.engine.storage.checkpoint import CheckpointStore
+    from rlflow.engine.storage.errors import STORAGE_ERRORS
+
+    url = f"{root.rstrip('/')}/{run_name}"
+    try:
+        fs, path = url_to_fs(url, **storage_options)
+        for stage in sorted(fs.glob(f"{path}/round_*/*/")):
+            store = CheckpointStore(fs.unstrip_protocol(stage) if "://" in url else stage, storage_options)
+            final = store.final()
+            newest = None if final is not None else store.latest()
+            meta = final if final is not None else (store.manifest(newest)["meta"] if newest is not None else {})
+            tree = meta.get("identity_tree")
+            if stage.rstrip("/").endswith("/ppo") or (tree is not None and tree.get("format") != IDENTITY_FORMAT):
+                raise ConfigError(legacy_message(f"run '{run_name}' ({url})"))
+    except STORAGE_ERRORS:
+        return
+
+
+def check_inputs(config: Any, writes: bool = True) -> None:
     """Fail fast on inputs the planned stages need: devices, model paths, data files (parsed in
-    full; SFT and preference files only where a stage reads them), and where checkpoints go."""
+    full; SFT and preference files only where a stage reads them), functions, the run's format,
+    and where checkpoints go (`writes`: a probe write of run.root and the mirror; a dry run writes
+    nothing)."""
     from rlflow.engine.data.records import load_preference_pairs, load_prompts, load_sft_examples
     from rlflow.engine.rewards.user_functions import load_function
 
+    check_run_format(config.run.root, config.run.name, config.run.storage_options)  # before what a stage would read
     check_devices(config)
     check_backend(config)
     check_model(config)
@@ -259,9 +288,12 @@ def check_inputs(config: Any) -> None:
     check_reward_model_vocabulary(config)
     load_function(config.gold.fn, "gold.fn")
     load_function(config.label.labeller.fn, "label.labeller.fn")
+    if config.reward.fallback_rule is not None:
+        load_function(config.reward.fallback_rule.fn, "reward.fallback_rule.fn")
     for ref in config.callbacks:
         load_function(ref, "callbacks")
     check_reward_sources(config)
     check_lora(config)
-    check_run_root(config)
-    check_mirror(config)
+    if writes:
+        check_run_root(config)
+        check_mirror(config)

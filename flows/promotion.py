@@ -24,7 +24,7 @@ from rlflow.engine.faults import fault_point
 from rlflow.engine.promotion.gates import PromotionDecision, decide_promotion, gate_table
 from rlflow.engine.storage.files import now_iso
 from rlflow.flows.breach import pause_until_answered, post_alert, temporary_server
-from rlflow.flows.plan import read_run_file
+from rlflow.flows.plan import OVERRIDES_FILE, read_overrides, read_run_file
 from rlflow.tasks.tracking import RunTracker, point_champion_alias, record_promotion
 
 
@@ -34,16 +34,6 @@ class Promotion:
 
     decision: PromotionDecision
     champion_version: str | None
-
-
-OVERRIDES_FILE = "promotion_overrides.json"  # at the top of the run: {"rounds": {"<N>": {by, reason, at}}}
-
-
-def read_overrides(cfg: Config) -> dict[int, str]:
-    """Rounds promoted by hand (`rlflow promote`): round -> "<who>: <why>"."""
-    text = read_run_file(cfg.run.root, cfg.run.name, OVERRIDES_FILE, cfg.run.storage_options)
-    rounds = json.loads(text)["rounds"] if text else {}
-    return {int(r): f"{o['by']}: {o['reason']}" for r, o in rounds.items()}
 
 
 def write_override(cfg: Config, round_index: int, by: str, reason: str) -> str:

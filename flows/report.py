@@ -12,7 +12,7 @@ from typing import Any
 from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.config.schema import Config
 from rlflow.engine.data.conversations import prompt_text
-from rlflow.engine.stages.label_eval import RESULTS_FILE
+from rlflow.engine.stages.round_eval import RESULTS_FILE
 from rlflow.flows.plan import read_run_file
 from rlflow.flows.compare import TABLE_COLUMNS, RoundRecord, format_cell, collect, plot_curves
 

@@ -1,14 +1,14 @@
-"""The RLHF flow: rounds of (SFT) -> (online labels) -> reward model -> PPO -> evaluation.
-
-Each stage's output checkpoint URI is passed explicitly to the next stage; each stage's identity
-is computed here from its config subtree, its inputs' manifest hashes and its data fingerprints.
-"""
+"""The RLHF flow: rounds of (SFT) -> (online labels) -> reward model -> RL (or DPO) -> evaluation ->
+promotion, tracked in MLflow; one round's stages are flows/wiring.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -25,9 +25,10 @@ from rlflow.engine.config.schema import Config, build_config
 from rlflow.engine.config.secrets import merge_trees, redacted_dict, shown_url
 from rlflow.flows.plan import read_run_file
 from rlflow.flows.compare import format_cell
-from rlflow.flows.promotion import answer_rejection, settle_promotion
+from rlflow.flows.promotion import Promotion, answer_rejection, settle_promotion
 from rlflow.flows.report import build_report
-from rlflow.flows.rounds import RoundPlanner, lineage_tags, run_round
+from rlflow.flows.rounds import TaskRunner, lineage_tags
+from rlflow.flows.wiring import RoundOutputs, next_start, round_start, run_round, summary_row
 from rlflow.tasks.stages import StageResult
 from rlflow.tasks.tracking import RunTracker, register_policy, registered_model_name, resolve_tracking_uri
 from rlflow.engine.config.secrets import SECRETS_ENV
@@ -95,11 +96,23 @@ def rlhf_flow(config: dict[str, Any], source: str = "config") -> dict[str, Any]:
     return run_pipeline(config, json.loads(os.environ.get(SECRETS_ENV) or "{}"), source)
 
 
-def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: str) -> dict[str, Any]:
-    """The body of every flow that runs rounds: `config` redacted, `secret_tree` its secret values."""
+@dataclass(frozen=True)
+class OpenRun:
+    """A run being run: its config (the tracking URI settled), its MLflow tracker and parent run."""
+
+    config: Config
+    tracker: RunTracker
+    parent_run_id: str
+    logger: Any
+
+
+@contextlib.contextmanager
+def opened_run(config: dict[str, Any], secret_tree: dict[str, Any], source: str) -> Iterator[OpenRun]:
+    """Hold the run (its lock, first: a second process on this run must not touch its MLflow runs),
+    settle its MLflow store and parent run, and keep config.yaml for `rlflow status`; afterwards
+    finish the parent run (FAILED or KILLED when the rounds raised) and publish the report."""
     cfg = build_config(merge_trees(config, secret_tree), source)
     logger = get_run_logger()
-    # The lock comes first: a second process on this run must not touch its MLflow runs.
     with RunLock(f"{cfg.run.root.rstrip('/')}/{cfg.run.name}", cfg.run.storage_options):
         for stale in mark_stale_flow_runs_crashed(cfg.run.name):
             logger.warning(
@@ -113,14 +126,73 @@ def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: st
         parent = settle_parent_run(cfg, tracker, public, logger)
         tracker.mark_crashed_children(parent)
         try:
-            rows, policy = run_rounds(cfg, parent, logger, tracker)
+            yield OpenRun(cfg, tracker, parent, logger)
         except BaseException as exc:
             tracker.finish(parent, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
             raise
-        tracker.sink(parent).log_text("summary.json", json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2))
         publish_report(cfg, tracker, parent, logger)
         tracker.finish(parent, "FINISHED")
-    return {"run": cfg.run.name, "rounds": rows, "final_policy": policy}
+
+
+def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """The body of every flow that runs rounds (`config` redacted, `secret_tree` its secret values):
+    all rounds in order, each starting from the champion (the last one's policy, or with promotion
+    on, the last promoted one's); summary.json after each, and the round's policy registered in the
+    MLflow model registry. Returns the rows and the champion's URI."""
+    with opened_run(config, secret_tree, source) as run:
+        cfg, tracker, logger = run.config, run.tracker, run.logger
+        planner = TaskRunner(cfg, run.parent_run_id)
+        policy: str | StageResult = cfg.model.init_path
+        sft: str | StageResult = cfg.model.init_path
+        labels: list[StageResult] = []
+        rows: list[dict[str, Any]] = []
+        champion: str | None = None  # the registered version promoted last
+        rejected: StageResult | None = None  # the last round's candidate, if the gates rejected it
+        for r in range(cfg.run.rounds):
+            started = time.monotonic()
+            outputs = run_round(cfg, planner, r, policy, sft, labels, rejected)
+            start, sft = round_start(cfg, r, policy, outputs.sft), outputs.sft
+            row = summary_row(r, outputs.rm, outputs.evaluation) | {"seconds": round(time.monotonic() - started, 1)}
+            rows.append(row)
+            version = register_round(run, planner, r, outputs)
+            promoted = True
+            if cfg.promotion.enabled:
+                outcome = decide_round(run, r, row, version, champion, rows)
+                champion, promoted = outcome.champion_version, outcome.decision.promoted
+            policy, rejected = next_start(outputs, start, promoted)
+            url = write_summary(cfg, rows)
+            logger.info("round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"],
+                        row["gold_score_after"], url)
+        summary = json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2)
+        tracker.sink(run.parent_run_id).log_text("summary.json", summary)
+    final_policy = policy if isinstance(policy, str) else policy.checkpoint_uri
+    return {"run": cfg.run.name, "rounds": rows, "final_policy": final_policy}
+
+
+def register_round(run: OpenRun, planner: TaskRunner, r: int, outputs: RoundOutputs) -> str:
+    """The round's policy as a version of the run's registered model, with its lineage; its version."""
+    cfg = run.config
+    tags = lineage_tags(cfg, planner, run.parent_run_id, outputs.final, outputs.rm)
+    version = register_policy(run.tracker.client, cfg.run.name, r, outputs.final.mlflow_run_id, tags)
+    run.logger.info("round %d policy: version %s of MLflow model '%s'", r, version, registered_model_name(cfg.run.name))
+    return version
+
+
+def decide_round(run: OpenRun, r: int, row: dict[str, Any], version: str, champion: str | None,
+                 rows: list[dict[str, Any]]) -> Promotion:
+    """The promotion gates' decision on round r (an operator's answer to a rejection included),
+    recorded in its summary row."""
+    cfg = run.config
+
+    def settle() -> Promotion:
+        return settle_promotion(cfg, run.tracker, run.parent_run_id, r, row, version, champion, run.logger)
+
+    outcome = settle()
+    row["promotion"] = outcome.decision.as_row(outcome.champion_version)
+    write_summary(cfg, rows)  # the rejection on record before the run stops or pauses
+    outcome = answer_rejection(cfg, r, version, outcome, settle)
+    row["promotion"] = outcome.decision.as_row(outcome.champion_version)
+    return outcome
 
 
 TRACKING_FILE = "tracking_uri"
@@ -192,46 +264,3 @@ def publish_report(cfg: Config, tracker: RunTracker, parent: str, logger: Any) -
     logger.info("report: %s (and report.html in the run's MLflow artifacts)", url)
 
 
-def run_rounds(
-    cfg: Config, parent_run_id: str, logger: Any, tracker: RunTracker
-) -> tuple[list[dict[str, Any]], str]:
-    """All rounds in order, each starting from the champion (the last one's policy, or with
-    promotion on, the last promoted one's); summary.json after each, and the round's policy
-    registered in the MLflow model registry. Returns the rows and the champion's URI."""
-    planner = RoundPlanner(cfg, parent_run_id)
-    policy: str | StageResult = cfg.model.init_path
-    sft: str | StageResult = cfg.model.init_path
-    labels: list[StageResult] = []
-    rows: list[dict[str, Any]] = []
-    champion: str | None = None  # the registered version promoted last
-    rejected: StageResult | None = None  # the last round's candidate, if the gates rejected it
-    for r in range(cfg.run.rounds):
-        started = time.monotonic()
-        final, sft, rm, row = run_round(cfg, planner, r, policy, sft, labels, rejected)
-        # What the round's RL (or DPO) started from, and what its gates compared the candidate with.
-        start = sft if r in cfg.sft.rounds else policy
-        row |= {"seconds": round(time.monotonic() - started, 1)}
-        rows.append(row)
-        version = register_policy(
-            tracker.client, cfg.run.name, r, final.mlflow_run_id, lineage_tags(planner, final, rm)
-        )
-        logger.info("round %d policy: version %s of MLflow model '%s'", r, version, registered_model_name(cfg.run.name))
-        policy = final
-        if cfg.promotion.enabled:
-
-            def settle(r=r, row=row, version=version, before=champion):
-                return settle_promotion(cfg, tracker, parent_run_id, r, row, version, before, logger)
-
-            outcome = settle()
-            row["promotion"] = outcome.decision.as_row(outcome.champion_version)
-            write_summary(cfg, rows)  # the rejection on record before the run stops or pauses
-            outcome = answer_rejection(cfg, r, version, outcome, settle)
-            row["promotion"] = outcome.decision.as_row(outcome.champion_version)
-            champion = outcome.champion_version
-            policy = final if outcome.decision.promoted else start
-            rejected = None if outcome.decision.promoted else final
-        url = write_summary(cfg, rows)
-        logger.info(
-            "round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"], row["gold_score_after"], url
-        )
-    return rows, policy if isinstance(policy, str) else policy.checkpoint_uri

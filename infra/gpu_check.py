@@ -1,5 +1,6 @@
 """GPU check: a ~0.5B Qwen2-shaped model with random weights, a few PPO steps on the deepspeed
-backend (ZeRO-3, bf16, sdpa), and the numbers that say whether the GPU path is healthy.
+backend (ZeRO-3, bf16, sdpa), opened by the RL-run entry point as the stage opens them, and the
+numbers that say whether the GPU path is healthy.
 
 Run by infra/gpu_check.sh (which makes the carried wheels importable); nothing is downloaded.
 Prints: rollout and training tokens/s, MFU of the training updates (model FLOPs / time over the
@@ -71,38 +72,40 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no GPU is visible (torch.cuda.is_available() is False)")
     from rlflow.engine.backend.factory import make_runtime
+    from rlflow.engine.config.execution import EngineConfig, RolloutConfig
     from rlflow.engine.config.schema import build_config
-    from rlflow.engine.config.execution import RolloutConfig
-    from rlflow.engine.config.execution import EngineConfig
-    from rlflow.engine.data.records import load_prompts
-    from rlflow.engine.stages.evaluation import encode_prompt_set
-    from rlflow.engine.stages.rl.step import make_controller, ppo_step
-    from rlflow.engine.stages.rl.experience import Objective
-    from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
     from rlflow.engine.rollout.service import RolloutService
+    from rlflow.engine.stages.catalog import stage_inputs
+    from rlflow.engine.stages.inputs import ModelInput, RewardModelInput
+    from rlflow.engine.stages.rl.inputs import RLUpstream
+    from rlflow.engine.stages.rl.run import RLRun
 
     t0 = time.monotonic()
     peak_tflops = matmul_tflops()
     work = Path(tempfile.mkdtemp(prefix="rlflow-gpu-check-"))
     model_dir, n_params = build_model(work)
+    data = work / "data"
     cfg = build_config(
         {
             "model": {"path": model_dir, "dtype": "bfloat16", "attn_implementation": "sdpa"},
-            "ppo": {"rollout_batch": args.rollout_batch, "mini_batch": args.rollout_batch // 2, "epochs": 1},
+            "data": {"prompts": str(data / "prompts.jsonl"), "eval_prompts": str(data / "eval_prompts.jsonl"),
+                     "max_prompt_tokens": 64, "chat_template": "none"},
+            "rl": {"rollout_batch": args.rollout_batch, "mini_batch": args.rollout_batch // 2, "epochs": 1},
+            "rollout": {"generate_batch": args.rollout_batch},
             "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0},
         },
         "gpu_check",
     )  # fmt: skip
     runtime = make_runtime(EngineConfig(backend="deepspeed", zero_stage=3, precision="bf16"))
-    inputs = PPOInputs(model_dir, model_dir, model_dir, model_dir, (0.0, 1.0), model_dir)
-    models = load_ppo_models(inputs, cfg.model, cfg.ppo, lambda *a, **k: 0.0, runtime)
-    records = load_prompts(str(work / "data" / "prompts.jsonl"))
-    prompts, _, _ = encode_prompt_set(models.tokenizer, records, 64, "truncate", "prompts")
-    controller, steps = make_controller(cfg.kl), []
+    model = ModelInput(uri=model_dir, identity="gpu-check")
+    reward = RewardModelInput(uri=model_dir, identity="gpu-check", score_norm=(0.0, 1.0))
+    upstream = RLUpstream(policy=model, reference=model, sft=model, reward_model=reward, critic=model)
+    steps = []
     torch.cuda.reset_peak_memory_stats()
-    for step in range(1, args.steps + 1):
-        metrics = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, step, args.rollout_batch, Objective.of(cfg))
-        steps.append(metrics)
+    with RLRun.open(runtime, stage_inputs(cfg, "rl", upstream)) as run:
+        for step in range(1, args.steps + 1):
+            steps.append(run.step(step))
+        models = run.models
     peak_gb = torch.cuda.max_memory_allocated() / 2**30
     measured = steps[1:] or steps  # the first step pays warm-up costs
     tokens = statistics.median(m["perf/throughput"] * m["timing_s/step"] for m in measured)  # prompt+response tokens
@@ -110,7 +113,7 @@ def main() -> None:
     gen_s = statistics.median(m["timing_s/gen"] for m in measured)
     update_s = statistics.median(m["timing_s/update_actor"] + m["timing_s/update_critic"] for m in measured)
     # Actor and critic updates: forward + backward = 6 FLOPs per parameter per token, each network.
-    train_flops = 2 * 6 * n_params * tokens * cfg.ppo.epochs
+    train_flops = 2 * 6 * n_params * tokens * cfg.rl.epochs
     service = RolloutService.start(RolloutConfig(mode="server", bucket_mb=512), model_dir, models.tokenizer, models.actor, None)
     sync = service.sync(models.actor)
     service.close()
@@ -119,7 +122,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "bf16_matmul_tflops": peak_tflops,
         "rollout_tokens_per_s": new_tokens / gen_s,
-        "train_tokens_per_s": tokens * 2 * cfg.ppo.epochs / update_s,
+        "train_tokens_per_s": tokens * 2 * cfg.rl.epochs / update_s,
         "train_mfu": train_flops / update_s / (peak_tflops * 1e12),
         "peak_memory_gb": peak_gb,
         "step_seconds": statistics.median(m["timing_s/step"] for m in measured),

@@ -297,7 +297,7 @@ def small_config_tree(assets: Path, root: Path, **sections) -> dict:
         "data": data | {"max_prompt_tokens": 32, "chat_template": "none"},
         "sft": {"max_steps": 40, "eval_every": 20, "log_every": 10, "warmup_steps": 5},
         "rm": {"epochs": 1, "log_every": 5, "norm_samples": 64},
-        "ppo": {"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1},
+        "rl": {"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1},
         "kl": {"stop_above": None},
         "sampling": {"max_new_tokens": 12},
         "eval": {"every_steps": 100, "num_prompts": 32, "batch_size": 32, "num_logged_samples": 4},
@@ -310,39 +310,43 @@ def small_config_tree(assets: Path, root: Path, **sections) -> dict:
 
 
 def sft_inputs(cfg, init_path: str | None = None):
-    """The SFT stage's inputs: the config's model, sft and data sections, from model.path unless told."""
-    from rlflow.engine.stages.sft import SFTStageInputs
+    """The SFT stage's inputs (its own builder), from model.path unless told."""
+    from helpers.stage_ctx import inputs, model
+    from rlflow.engine.stages.sft import SFTUpstream
 
-    return SFTStageInputs(cfg.model.path if init_path is None else init_path, cfg.model, cfg.sft, cfg.data)
-
-
-def rm_inputs(cfg, init_path: str, extra_preferences=(), eval_preferences=()):
-    """The reward-model stage's inputs: the config's model, rm and data sections, from `init_path`."""
-    from rlflow.engine.stages.reward_model import RewardModelStageInputs
-
-    return RewardModelStageInputs(init_path, cfg.model, cfg.rm, cfg.data, extra_preferences, eval_preferences)
+    return inputs(cfg, "sft", SFTUpstream(init=model(cfg.model.path if init_path is None else init_path)))
 
 
-def rl_inputs(cfg, paths, gold, **fields):
-    """The RL stage's inputs: the config's model, ppo, kl, sampling, eval, data and checkpoint sections
-    and its objective; `fields` set the rest (rollout, guards, reward: the record's defaults
-    otherwise) or replace one."""
-    from rlflow.engine.stages.rl.experience import Objective
-    from rlflow.engine.stages.rl.stage import RLStageInputs
+def rm_inputs(cfg, init_path: str, labels=()):
+    """The reward-model stage's inputs (its own builder), from `init_path`; `labels`: LabelsInput records."""
+    from helpers.stage_ctx import inputs, model
+    from rlflow.engine.stages.reward_model import RewardModelUpstream
 
-    sections = {"model": cfg.model, "ppo": cfg.ppo, "kl": cfg.kl, "sampling": cfg.sampling, "eval": cfg.eval}
-    sections |= {"data": cfg.data, "checkpoint": cfg.checkpoint}
-    sections["objective"] = Objective.of(cfg)
-    return RLStageInputs(paths=paths, gold=gold, **(sections | fields))
+    return inputs(cfg, "rm", RewardModelUpstream(init=model(init_path), labels=tuple(labels)))
+
+
+def rl_inputs(cfg, policy, reward_model=None, norm=(0.0, 1.0), critic=None, reference=None, sft=None):
+    """The RL stage's inputs (its own builder): `policy` as actor, reference and SFT policy unless
+    told, the round's reward model at `reward_model` (score statistics `norm`) and the critic's start."""
+    from helpers.stage_ctx import inputs, model
+    from rlflow.engine.stages.inputs import RewardModelInput
+    from rlflow.engine.stages.rl.inputs import RLUpstream
+
+    upstream = RLUpstream(
+        policy=model(policy), reference=model(reference or policy), sft=model(sft or policy),
+        reward_model=None
+        if reward_model is None
+        else RewardModelInput(uri=reward_model, identity="test", score_norm=norm),
+        critic=None if critic is None else model(critic),
+    )
+    return inputs(cfg, "rl", upstream)
 
 
 @pytest.fixture(scope="session")
 def trained(small_assets, tmp_path_factory):
     """SFT (60 steps) and reward model (1 epoch) on the small assets: (sft_model_dir, rm_model_dir, score_norm)."""
     from rlflow.engine.config.schema import build_config
-    from rlflow.engine.stages.reward_model import run_reward_model_stage
-    from rlflow.engine.stages.sft import run_sft_stage
-    from helpers.stage_ctx import make_ctx
+    from helpers.stage_ctx import make_ctx, run
 
     root = tmp_path_factory.mktemp("trained")
     cfg = build_config(small_config_tree(small_assets, root, sft={"max_steps": 60}), "test")
@@ -350,9 +354,9 @@ def trained(small_assets, tmp_path_factory):
     def ctx(stage):
         return make_ctx(root, stage, identity=stage, every=1000)
 
-    sft = run_sft_stage(ctx("sft"), sft_inputs(cfg))
+    sft = run(ctx("sft"), sft_inputs(cfg))
     sft_dir = f"{sft.checkpoint_uri}/model"
-    rm = run_reward_model_stage(ctx("rm"), rm_inputs(cfg, sft_dir))
+    rm = run(ctx("rm"), rm_inputs(cfg, sft_dir))
     return sft_dir, f"{rm.checkpoint_uri}/model", (rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"])
 
 

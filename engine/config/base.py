@@ -1,12 +1,50 @@
 """The base of every config section, the fields the supervised stages share, a check for names chosen
-from a table, and references to user functions (`module:function`)."""
+from a table, references to user functions (`module:function`), the marks that say how a field
+enters a stage's identity, and views: the part of a section one stage reads."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
+
+
+@dataclass(frozen=True)
+class IdentityMark:
+    """How a config field enters the identity of a stage whose inputs hold it (engine/stages/identity.py),
+    declared once, on the field (`Annotated[int, neutral("...")]`), and shown in the config reference.
+
+    neutral: never: how a stage runs or reports, not what it computes (the reason is `why`);
+    wiring: never directly: the flow reads it to connect stages, and what it selects enters the
+    stage's identity as an upstream input, by content;
+    file, model, function, kwargs: by content, not by name (a file's bytes; a model folder's
+    fingerprint; the source file of a "module:function"; kwargs values that name existing files)."""
+
+    kind: Literal["neutral", "wiring", "file", "model", "function", "kwargs"]
+    why: str = ""
+
+    @property
+    def excluded(self) -> bool:
+        return self.kind in ("neutral", "wiring")
+
+
+def neutral(why: str) -> IdentityMark:
+    return IdentityMark("neutral", why)
+
+
+def wiring(why: str) -> IdentityMark:
+    return IdentityMark("wiring", why)
+
+
+def by_content(kind: Literal["file", "model", "function", "kwargs"]) -> IdentityMark:
+    return IdentityMark(kind)
+
+
+def identity_mark(field: FieldInfo) -> IdentityMark | None:
+    return next((m for m in field.metadata if isinstance(m, IdentityMark)), None)
 
 
 class Section(BaseModel):
@@ -32,6 +70,36 @@ class SupervisedSection(Section):
     """Token limit of prompt + response per sequence (the prompt keeps its last tokens)."""
 
 
+class SectionView(Section):
+    """The fields of a config section that one stage reads, with the section's own types and identity
+    marks: `class PromptData(SectionView, source=DataConfig)` declaring `prompts: str` and so on (a
+    name or type the source does not have fails at import). `of(section)` takes them from a section."""
+
+    source: ClassVar[type[Section]]
+
+    def __init_subclass__(cls, source: type[Section] | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if source is None:
+            raise TypeError(f"{cls.__name__}: a view names its section: class {cls.__name__}(SectionView, source=...)")
+        cls.source = source
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for name, field in cls.model_fields.items():
+            theirs = cls.source.model_fields.get(name)
+            if theirs is None or theirs.annotation != field.annotation:  # the marks are read from the source
+                raise TypeError(f"{cls.__name__}.{name} is not a field of {cls.source.__name__} with the same type")
+
+    @classmethod
+    def of(cls, section: Section):
+        return cls(**{name: getattr(section, name) for name in cls.model_fields})
+
+    @classmethod
+    def field_of_source(cls, name: str) -> FieldInfo:
+        return cls.source.model_fields[name]
+
+
 def one_of(valid: tuple[str, ...], key: str) -> AfterValidator:
     """A field's check (`Annotated[str, one_of(...)]`) that its value is a name in `valid`; the error names
     the key, the value and the valid names."""
@@ -47,9 +115,9 @@ def one_of(valid: tuple[str, ...], key: str) -> AfterValidator:
 class FunctionRef(Section):
     """A user function: `fn` and the keyword arguments it is called with."""
 
-    fn: str
+    fn: Annotated[str, by_content("function")]
     """The function, as "package.module:function"."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: Annotated[dict[str, Any], by_content("kwargs")] = Field(default_factory=dict)
     """Keyword arguments bound to every call of `fn`."""
 
     @field_validator("fn")

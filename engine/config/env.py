@@ -8,28 +8,29 @@ or tool schema stops the run before anything is written.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from rlflow.engine.config.base import Section
+from rlflow.engine.config.base import Section, by_content, neutral
 from rlflow.engine.envs.base import build_environment
 
 
 class EnvConfig(Section):
-    fn: str
+    fn: Annotated[str, by_content("function")]
     """The environment class, as "package.module:Class" (reset(row) -> messages, step(text) -> EnvStep;
     engine/envs/base.py). The built-in tool environment: rlflow.engine.envs.tool_env:ToolEnv."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: Annotated[dict[str, Any], by_content("kwargs")] = Field(default_factory=dict)
     """Keyword arguments of the class (ToolEnv: tools, parser, system)."""
     max_turns: int = Field(4, ge=1)
     """Model turns per episode; an episode still calling tools after the last is truncated (no answer)."""
     max_total_tokens: int = Field(256, ge=1)
     """Every token after the prompt, the model's turns and the observations together; each turn also
     stops at sampling.max_new_tokens."""
-    tool_workers: int = Field(4, ge=1, le=256)
-    """Threads that run the environments' steps (tool calls) beside the batch's generation (not part
-    of the stage's identity: changing it resumes the same stage)."""
+    tool_workers: Annotated[int, neutral("a thread count: how the tools run, not what they return")] = Field(
+        4, ge=1, le=256
+    )
+    """Threads that run the environments' steps (tool calls) beside the batch's generation."""
 
     @field_validator("fn")
     @classmethod

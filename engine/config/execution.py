@@ -4,11 +4,14 @@ Assembled into `Config` by engine/config/schema.py."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlflow.engine.config.base import Section
+from rlflow.engine.config.base import Section, neutral
+
+TRANSPORT = "how samples and weights travel to the rollout worker, not what is sampled"
+SYNC_GUARD = "a check of every weight sync: it stops a run, never changes what is trained"
 
 
 class CheckpointConfig(Section):
@@ -61,7 +64,7 @@ class StageConfig(Section):
     retry_delay_s: float = Field(10.0, ge=0)
     """Seconds between a stage's retries."""
     hang_timeout_s: float | None = Field(3600.0, gt=0)
-    """Watchdog of the training stages (sft, rm, ppo, dpo): no step finished for this long (s), stacks
+    """Watchdog of the training stages (sft, rm, rl, dpo): no step finished for this long (s), stacks
     dumped and the stage fails; None: no watchdog."""
     sft: StagePolicy = Field(default_factory=StagePolicy)
     """Overrides for the sft stage, e.g. stage.sft.retries=3; unset keys inherit stage.*."""
@@ -69,7 +72,7 @@ class StageConfig(Section):
     """Overrides for the label stage; unset keys inherit stage.*."""
     rm: StagePolicy = Field(default_factory=StagePolicy)
     """Overrides for the reward-model stage; unset keys inherit stage.*."""
-    ppo: StagePolicy = Field(default_factory=StagePolicy)
+    rl: StagePolicy = Field(default_factory=StagePolicy)
     """Overrides for the RL stage (every algorithm but dpo); unset keys inherit stage.*."""
     dpo: StagePolicy = Field(default_factory=StagePolicy)
     """Overrides for the dpo stage; unset keys inherit stage.*."""
@@ -178,9 +181,9 @@ class RolloutConfig(Section):
     """Sequences sampled together under one seed (world-size independent)."""
     n: int = Field(1, ge=1, le=1024)
     """Samples per prompt (a group: GRPO and RLOO need n >= 2)."""
-    bucket_mb: float = Field(256.0, gt=0)
+    bucket_mb: Annotated[float, neutral(TRANSPORT)] = Field(256.0, gt=0)
     """Weight-sync bucket size (MB): a sync costs one round trip per bucket."""
-    check_fingerprint: bool = True
+    check_fingerprint: Annotated[bool, neutral(SYNC_GUARD)] = True
     """Compare the sha256 fingerprints of the trainer's and the worker's weights after every sync; a
     mismatch stops the run."""
     off_policy_steps: int = Field(0, ge=0, le=64)
@@ -200,21 +203,23 @@ class RolloutConfig(Section):
     """With async: a weight update reaches generations in flight at the next token; they go on with
     the new weights, each token keeping the version and log-prob that sampled it. A row's staleness
     is its oldest token's."""
-    threads: int | None = Field(None, ge=1)
+    threads: Annotated[int | None, neutral("a thread count (it may change a continued run's last digits)")] = Field(
+        None, ge=1
+    )
     """torch CPU threads of the worker process; None: the trainer's count (on a CPU machine, give
     each side its own cores with run.threads and rollout.threads)."""
-    probe_rows: int = Field(4, ge=1)
+    probe_rows: Annotated[int, neutral(SYNC_GUARD)] = Field(4, ge=1)
     """Rows the worker samples, and the trainer rescores, right after each weight sync when
     off_policy_steps > 0 or async (the guard compares both under the same version). At 0 the log-probs of
     every sampled row are compared instead, as PPO's old log-probs."""
-    max_logprob_diff: float = Field(1e-3, gt=0)
+    max_logprob_diff: Annotated[float, neutral(SYNC_GUARD)] = Field(1e-3, gt=0)
     """Largest |trainer - worker| log-prob difference of a sampled token after a sync, in nats; above
     it the run stops."""
-    vllm_python: str = ".venv-vllm/bin/python"
+    vllm_python: Annotated[str, neutral(TRANSPORT)] = ".venv-vllm/bin/python"
     """Interpreter of the separate vLLM environment."""
-    startup_timeout_s: float = Field(300.0, gt=0)
+    startup_timeout_s: Annotated[float, neutral("a time limit of the worker's start")] = Field(300.0, gt=0)
     """How long the rollout worker may take to become ready, in seconds."""
-    response_timeout_s: float = Field(1800.0, gt=0)
+    response_timeout_s: Annotated[float, neutral("a time limit of the worker's replies")] = Field(1800.0, gt=0)
     """Longest wait for one reply of the running worker (a batch's samples, a weight bucket), in
     seconds; a worker alive but silent that long is killed and the run stops with an error naming it."""
 

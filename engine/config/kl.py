@@ -8,11 +8,13 @@ its own method's (dpo.beta, dpo.reference).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlflow.engine.config.base import Section
+from rlflow.engine.config.base import Section, neutral, wiring
+
+BREAKER = "the circuit breaker: an operator may change it to continue a paused stage, which stays the same stage"
 
 # engine/algorithms/kl.py KL_ESTIMATORS' keys (tests/unit/engine/algorithms/test_advantages.py checks they agree).
 KLEstimator = Literal["k1", "k2", "k3", "abs", "low_var_kl"]
@@ -25,7 +27,9 @@ DEFAULT_ESTIMATOR = {False: "k1", True: "low_var_kl"}
 
 
 class KLConfig(Section):
-    reference: Literal["sft", "round_start"] = "sft"
+    reference: Annotated[
+        Literal["sft", "round_start"], wiring("which policy is the reference: an upstream model")
+    ] = "sft"
     """The KL anchor: the round's SFT policy (sft) or the policy the round starts from (round_start)."""
     in_loss: bool | None = None
     """The KL as a loss term of the actor (true) or a per-token penalty in the reward (false); None: the
@@ -46,10 +50,10 @@ class KLConfig(Section):
     """Weight of the KL loss term (fixed: the controller steers only the reward penalty)."""
     stop_above: float | None = Field(0.3, gt=0)
     """End the round's RL once the rollout KL passes this (a planned end); None: never."""
-    pause_above: float | None = Field(None, gt=0)
+    pause_above: Annotated[float | None, neutral(BREAKER)] = Field(None, gt=0)
     """Circuit breaker: pause the run once the rollout KL stays above this for `pause_patience` steps;
     None: off."""
-    pause_patience: int = Field(3, ge=1)
+    pause_patience: Annotated[int, neutral(BREAKER)] = Field(3, ge=1)
     """Consecutive steps above pause_above that trip the breaker."""
 
     def placed_in_loss(self, algorithm: str) -> bool:

@@ -9,7 +9,18 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from rlflow.engine.config.base import FunctionRef, Section, SupervisedSection, function_ref, one_of
+from rlflow.engine.config.base import (
+    FunctionRef,
+    Section,
+    SupervisedSection,
+    by_content,
+    function_ref,
+    neutral,
+    one_of,
+    wiring,
+)
+
+GUARD = "a guard: what happens after a reward failure, which an operator may change to continue a paused stage"
 
 # The policy-gradient estimators (engine/algorithms/advantages.py ADVANTAGE_ESTIMATORS) and DPO, which
 # replaces the reward-model and RL stages of a round.
@@ -28,7 +39,7 @@ class AlgorithmConfig(Section):
     norm_std: bool = True
     """GRPO: divide each group's centred scores by the group's std (Dr. GRPO sets this off)."""
     policy_loss: Annotated[str, one_of(POLICY_LOSSES, "algorithm.policy_loss")] = "ppo"
-    """The per-token policy loss: ppo (clipped ratio, ppo.clip_ratio_low/high), gspo (one clipped
+    """The per-token policy loss: ppo (clipped ratio, rl.clip_ratio_low/high), gspo (one clipped
     ratio per sequence) or cispo (clipped, detached importance weight times the log-prob); see
     docs/algorithms.md."""
     rollout_correction: Annotated[str, one_of(ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")] = "none"
@@ -40,9 +51,9 @@ class AlgorithmConfig(Section):
     """Whether the correction's weight is each token's ratio or its sequence's (product over tokens)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (no advantage) and sample more prompts until the
-    batch has ppo.rollout_batch informative groups or dynamic_sampling_max_tries samplings were made."""
+    batch has rl.rollout_batch informative groups or dynamic_sampling_max_tries samplings were made."""
     dynamic_sampling_max_tries: int = Field(3, ge=1)
-    """Most samplings of ppo.rollout_batch prompts per step with dynamic_sampling; a batch still short
+    """Most samplings of rl.rollout_batch prompts per step with dynamic_sampling; a batch still short
     after them is filled with the dropped groups (rollout/underfilled_groups counts them)."""
 
     @property
@@ -59,7 +70,9 @@ class DPOConfig(SupervisedSection):
     """Conservative DPO: the assumed label-flip rate; 0: plain DPO."""
     rpo_alpha: float = Field(0.0, ge=0)
     """Weight of the chosen answers' per-token NLL (RPO); 0: plain DPO, 1 is recommended for online DPO."""
-    reference: Literal["sft", "round_start"] = "round_start"
+    reference: Annotated[Literal["sft", "round_start"], wiring("which policy is the reference: an upstream model")] = (
+        "round_start"
+    )
     """The reference policy: the round's SFT policy (sft) or the policy the round starts from
     (round_start)."""
     include_offline: bool = True
@@ -70,7 +83,7 @@ class DPOConfig(SupervisedSection):
     """Peak learning rate (AdamW): linear warmup, then cosine decay to 10% of it at the last step."""
     warmup_steps: int = Field(5, ge=0)
     """Optimizer steps of linear learning-rate warmup."""
-    log_every: int = Field(5, ge=1)
+    log_every: Annotated[int, neutral("how often metrics are logged, not what is trained")] = Field(5, ge=1)
     """Log metrics every this many steps."""
 
 
@@ -96,12 +109,12 @@ class RewardSourceConfig(Section):
     """What computes the score: model, function, keyword, regex, length, format, exact_match or gym."""
     weight: float = 1.0
     """The score's weight in the reward (sum of weight x score over the sources)."""
-    path: str | None = None
+    path: Annotated[str | None, by_content("model")] = None
     """Type model only: a reward-model folder (raw scores); None: the round's reward-model stage
     (scores normalised by its mean and std)."""
-    fn: str | None = None
+    fn: Annotated[str | None, by_content("function")] = None
     """Type function only: "module:function", called as `(prompt, response, **fields, **kwargs) -> float`."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: Annotated[dict[str, Any], by_content("kwargs")] = Field(default_factory=dict)
     """Keyword arguments of the function, or of the rule (engine/rewards/rules.py documents each rule's;
     gym: extract answer_tag, last_number or full, and credit exact or partial)."""
     on_error: Literal["fail", "skip"] | None = None
@@ -140,7 +153,9 @@ class RewardConfig(Section):
 
     sources: list[RewardSourceConfig] = Field(default_factory=_default_sources)
     """The terms of the reward (see docs/rewards.md): a sample's score is sum of weight x score."""
-    timeout_s: float = Field(10.0, gt=0)
+    timeout_s: Annotated[float, neutral("a time limit: which calls exceed it depends on the machine")] = Field(
+        10.0, gt=0
+    )
     """Time limit of each call of a function or rule, in seconds."""
     on_error: Literal["fail", "skip"] = "fail"
     """A function that raises, returns a non-finite value or times out: stop with an error naming
@@ -164,13 +179,15 @@ class RewardConfig(Section):
     uncertainty_penalty: float = Field(0.0, ge=0)
     """λ of an ensemble reward model's reward, mean - λ x std over its heads (rm.ensemble >= 2):
     answers the heads disagree on, where the reward model is least trustworthy, earn less."""
-    workers: int = Field(2, ge=1, le=256)
+    workers: Annotated[int, neutral("a process count: how the scores are computed, not what they are")] = Field(
+        2, ge=1, le=256
+    )
     """Processes that run the function and rule sources."""
-    on_failure: Literal["pause", "fallback_rule", "fail"] = "pause"
+    on_failure: Annotated[Literal["pause", "fallback_rule", "fail"], neutral(GUARD)] = "pause"
     """When the learned reward model itself fails (non-finite scores): pause (the run waits for an
     operator at a committed checkpoint), fallback_rule (reward.fallback_rule scores the rest of the
     stage) or fail."""
-    fallback_rule: FunctionRef | None = None
+    fallback_rule: Annotated[FunctionRef | None, neutral(GUARD)] = None
     """The rule reward of on_failure=fallback_rule (score signature of gold.fn); it replaces the whole
     reward, its scores standardised by the first batch it scores."""
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
-from rlflow.engine.config.base import Section
+from rlflow.engine.config.base import Section, wiring
 
 
 class LoraConfig(Section):
@@ -25,9 +25,16 @@ class LoraConfig(Section):
     modules_to_save: list[str] = Field(default_factory=list)
     """Modules trained whole besides the adapters (peft's modules_to_save), e.g. [embed_tokens]: with
     tied input and output embeddings the LM head trains with it, as one tensor. Costs a full copy."""
-    stages: list[Literal["sft", "rm", "ppo", "dpo"]] = Field(default_factory=lambda: ["sft", "rm", "ppo", "dpo"])
+    stages: list[Literal["sft", "rm", "rl", "dpo"]] = Field(default_factory=lambda: ["sft", "rm", "rl", "dpo"])
     """The training stages that train adapters; the others train every weight (e.g. a full SFT of a
     model that was never pretrained, then LoRA for the reward model and RL)."""
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _renamed_stage(cls, value: Any) -> Any:
+        if isinstance(value, list) and "ppo" in value:
+            raise ValueError("model.lora.stages: the RL stage is named rl now, not ppo; write rl")
+        return value
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -42,7 +49,9 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str = "demo_assets/tiny-model"
+    path: Annotated[str, wiring("the initial policy: the first stages' upstream model, by content")] = (
+        "demo_assets/tiny-model"
+    )
     """The initial policy: a local Hugging Face model directory or a hub id."""
     trust_remote_code: bool = False
     """Let transformers run the model's own code from its directory or hub repository."""
@@ -54,7 +63,7 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """LoRA adapters (see docs/lora.md); None: every weight trains. A LoRA stage's model/ holds the
     adapters and a pointer to the base."""
-    gguf_file: str | None = None
+    gguf_file: Annotated[str | None, wiring("part of the initial policy's path (model.path)")] = None
     """A GGUF file inside `path` (the Hugging Face convention): dequantised on every load; convert
     once with `rlflow import-model` to load in a second instead."""
 

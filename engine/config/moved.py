@@ -23,6 +23,12 @@ MOVED_KEYS = {
     "ppo.top_p": "sampling.top_p",
     "ppo.max_new_tokens": "sampling.max_new_tokens",
     "hacking.judge": "reward.judge",
+    # rlflow issue 50: the RL loop every estimator shares is rl.*; ppo.* keeps PPO's critic and GAE only.
+    **{f"ppo.{key}": f"rl.{key}" for key in (
+        "steps", "rollout_batch", "mini_batch", "epochs", "actor_lr", "clip_ratio", "clip_ratio_low",
+        "clip_ratio_high", "gamma", "loss_agg", "max_grad_norm", "log_every",
+    )},
+    "stage.ppo": "stage.rl",
 }
 # Why a key's meaning is not a plain rename, for the message.
 _NOTES = {

@@ -11,12 +11,12 @@ import re
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from rlflow.engine.config.base import FunctionRef, Section, function_ref
+from rlflow.engine.config.base import FunctionRef, Section, by_content, function_ref
 from rlflow.engine.config.env import EnvConfig
 from rlflow.engine.config.promotion import PromotionConfig
 from rlflow.engine.config.hacking import HackingConfig
@@ -38,7 +38,7 @@ from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.config.moved import moved_key_message
 from rlflow.engine.config.sampling import SamplingConfig
 from rlflow.engine.config.secrets import REDACTED, is_secret_path, redact_override, redacted_dict
-from rlflow.engine.config.stages import EvalConfig, LabelConfig, PPOConfig, RewardModelConfig, SFTConfig
+from rlflow.engine.config.stages import EvalConfig, LabelConfig, PPOConfig, RewardModelConfig, RLConfig, SFTConfig
 from rlflow.engine.config.yaml_io import locator, parse_yaml, read_text
 from rlflow.engine.errors import ConfigError
 
@@ -73,25 +73,25 @@ class RunConfig(Section):
 
 
 class DataConfig(Section):
-    sft: str = "demo_assets/data/sft.jsonl"
+    sft: Annotated[str, by_content("file")] = "demo_assets/data/sft.jsonl"
     """SFT rows (`prompt` + `response`, or chat `messages`: every assistant turn is learned, see
     sft.assistant_turns): a JSONL, CSV or Parquet file or URL. Any `prompt` may be a conversation
     (docs/environments.md#conversations)."""
-    sft_eval: str = "demo_assets/data/sft_eval.jsonl"
+    sft_eval: Annotated[str, by_content("file")] = "demo_assets/data/sft_eval.jsonl"
     """Held-out SFT rows: SFT's eval loss (and early stopping, sft.patience)."""
-    preferences: str | None = "demo_assets/data/preferences.jsonl"
+    preferences: Annotated[str | None, by_content("file")] = "demo_assets/data/preferences.jsonl"
     """Preference pairs (`prompt`, `chosen`, `rejected`; or `chosen` and `rejected` as two whole
     conversations) the reward model (or DPO) trains on; None: online labels (label.*) only, measured
     with label.eval_fraction."""
-    preferences_eval: str | None = "demo_assets/data/preferences_eval.jsonl"
+    preferences_eval: Annotated[str | None, by_content("file")] = "demo_assets/data/preferences_eval.jsonl"
     """Held-out pairs with clean gold labels: the reward model's rm/accuracy (DPO's held-out pairs too);
     None: none."""
-    prompts: str = "demo_assets/data/prompts.jsonl"
+    prompts: Annotated[str, by_content("file")] = "demo_assets/data/prompts.jsonl"
     """Prompts of the RL stage and of online labelling (`prompt`: a string or the conversation so far;
     other columns reach the score functions)."""
-    eval_prompts: str = "demo_assets/data/eval_prompts.jsonl"
+    eval_prompts: Annotated[str, by_content("file")] = "demo_assets/data/eval_prompts.jsonl"
     """Prompts of the evaluations (during PPO and at each round's end)."""
-    regression: str | None = None
+    regression: Annotated[str | None, by_content("file")] = None
     """A fixed set of prompt/response records (the data.sft format, e.g. data.sft_eval or a capability
     set) on which each round's evaluation measures the start's and the candidate's NLL per response
     token: eval/regression_nll, and the promotion gates' regression_nll_increase; None: not measured."""
@@ -120,8 +120,10 @@ class Config(Section):
     """The round's reward model (Bradley-Terry on preference pairs)."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     """Which method trains the policy each round."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """The RL stage (PPO, GRPO, RLOO, REINFORCE++): steps, batches, the actor's learning rate and clipping."""
     ppo: PPOConfig = Field(default_factory=PPOConfig)
-    """The RL stage (PPO, GRPO, RLOO, REINFORCE++): steps, batches, learning rates and clipping."""
+    """What only PPO (algorithm.name=ppo) has: its critic and GAE."""
     kl: KLConfig = Field(default_factory=KLConfig)
     """The RL stage's KL to its reference: where it acts, its estimator and coefficient, and its limits."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -185,9 +187,9 @@ class Config(Section):
             " rollout.mode=colocated"),
             (self.engine.backend == "deepspeed" and self.engine.zero_stage == 3, "env with engine.zero_stage=3 is not"
             " supported yet (ZeRO-3's sampling runs every rank in lockstep); use zero_stage 1 or 2"),
-            (self.ppo.loss_agg == "seq-mean-token-sum-norm", "ppo.loss_agg=seq-mean-token-sum-norm divides by"
+            (self.rl.loss_agg == "seq-mean-token-sum-norm", "rl.loss_agg=seq-mean-token-sum-norm divides by"
             " sampling.max_new_tokens, one response's budget; an env episode has several turns: use another"
-            " ppo.loss_agg or remove env"),
+            " rl.loss_agg or remove env"),
             (self.reward.overlong_buffer is not None, "reward.overlong_buffer ramps over one response's"
             " sampling.max_new_tokens; an env episode has several turns: remove reward.overlong_buffer or env"),
             (self.reward.learned and self.label.online_from_round is not None
@@ -297,11 +299,11 @@ class Config(Section):
         world = self.resources.world_size
         # Every rank needs rows in every pass (ZeRO's collectives run in each forward and backward).
         shares = {
-            "ppo.rollout_batch x rollout.n / rollout.generate_batch chunks": -(
-                -self.ppo.rollout_batch * n // self.rollout.generate_batch
+            "rl.rollout_batch x rollout.n / rollout.generate_batch chunks": -(
+                -self.rl.rollout_batch * n // self.rollout.generate_batch
             ),
             "eval.num_prompts / eval.batch_size chunks": -(-self.eval.num_prompts // self.eval.batch_size),
-            "ppo.mini_batch": self.ppo.mini_batch,
+            "rl.mini_batch": self.rl.mini_batch,
             "sft.batch_size": self.sft.batch_size,
             "rm.batch_size": self.rm.batch_size,
         }
@@ -370,7 +372,7 @@ def _shown_override(text: str) -> str:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=c` -> (["a", "b"], c) with c parsed as a YAML scalar/list/dict."""
     if "=" not in text or text.startswith("="):
-        raise ConfigError(f"override {_shown_override(text)} must look like key.path=value, e.g. ppo.steps=20")
+        raise ConfigError(f"override {_shown_override(text)} must look like key.path=value, e.g. rl.steps=20")
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""

@@ -70,7 +70,7 @@ class Estimate:
         return self.gpu_hours * self.device.price_per_gpu_hour
 
 
-def estimate_ppo(w: AnyWorkload, s: Strategy, device: DeviceSpec, currency: str) -> Estimate:
+def estimate_rl(w: AnyWorkload, s: Strategy, device: DeviceSpec, currency: str) -> Estimate:
     """Memory, time and cost of `w` run under `s` on `device` GPUs priced in `currency`: the RL
     stage of any algorithm (a Workload), or the DPO stage (a DPOWorkload: estimate_dpo)."""
     if isinstance(w, DPOWorkload):
@@ -145,7 +145,7 @@ def recommend(
     """The cheapest plan (GPU-hours; within COST_TIE the simplest) whose peak fits the device.
     `precisions`: each plan trains in its backend's precision (None: all in w.precision)."""
     plans = candidate_plans(w, device, max_gpus, base, precisions)
-    estimates = [estimate_ppo(pw, s, device, currency) for pw, s in plans]
+    estimates = [estimate_rl(pw, s, device, currency) for pw, s in plans]
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         return Recommendation(None, nothing_fits(estimates, device, max_gpus), len(estimates))

@@ -1,8 +1,9 @@
 """Measure an RL configuration (algorithm.name ppo, grpo, rloo or reinforce_pp) for a few steps
 before committing to a run: memory, step time, throughput, and where reward and KL are heading.
-Writes nothing: no checkpoints, no models. The steps run as the RL stage runs them: the
-algorithm's objective, rollout.n samples per prompt, no critic for a critic-free algorithm, and
-the reward.sources (rules and functions in their worker pool).
+Writes nothing: no checkpoints, no models. The steps are the RL stage's own: they are opened by the
+RL-run entry point (engine/stages/rl/run.py) from the stage's inputs record, so the probe runs the
+algorithm's objective, rollout.n samples per prompt, no critic for a critic-free algorithm, the
+reward.sources (rules and functions in their worker pool) and, with an `env`, multi-turn episodes.
 
 Memory is the process's peak resident set above its resident set once everything is imported
 (the number `rlflow estimate` predicts on a CPU), and on a GPU torch's peak allocation.
@@ -10,7 +11,6 @@ Memory is the process's peak resident set above its resident set once everything
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 import statistics
@@ -20,13 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from rlflow.engine.backend.runtime import Runtime
-from rlflow.engine.config.schema import Config
-from rlflow.engine.data.records import load_prompts
-from rlflow.engine.stages.evaluation import encode_prompt_set
-from rlflow.engine.stages.rl.experience import Objective
-from rlflow.engine.stages.rl.step import make_controller, ppo_step
-from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
-from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
+from rlflow.engine.stages.rl.inputs import RLInputs
+from rlflow.engine.stages.rl.run import RLRun
 
 
 @dataclass(frozen=True)
@@ -38,6 +33,7 @@ class ProbeStep:
     reward: float  # critic/score/mean: mean score, the weighted sum of the reward sources
     kl: float  # actor/kl: rollout KL to the reference, nats per token
     timings: dict[str, float]  # the step's timing_s/* phases
+    turns: float | None = None  # env/turns: model turns per episode (mean), with an env; None: single-turn
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,7 @@ class ProbeReport:
     peak_rss: int  # bytes: the process's peak resident set
     gpu_peak_allocated: int | None  # bytes torch allocated at most on the GPU; None on a CPU
     longest_prompt: int  # tokens of the longest encoded prompt (what batches are padded to, at most)
+    episodes: bool = False  # each prompt was a multi-turn episode of the config's env
 
     @property
     def peak_rss_above_baseline(self) -> int:
@@ -120,52 +117,35 @@ def preload_model_code(path: str, trust_remote_code: bool) -> None:
 
 
 def run_probe(
-    inputs: PPOInputs,
-    config: Config,
+    inputs: RLInputs,
     runtime: Runtime,
     steps: int,
     on_step: Callable[[ProbeStep], None] = lambda step: None,
 ) -> ProbeReport:
-    """`steps` RL steps of `config` from `inputs`, exactly as the stage runs them (the configured
-    algorithm and reward sources; no evaluation, no checkpoint). Call it in a process that has
-    imported what it needs: the baseline is taken on entry, the peak is the process's lifetime peak
-    (reward worker processes are not in it)."""
-    cfg, data = config.ppo, config.data
-    preload_model_code(inputs.policy, config.model.trust_remote_code)
-    if config.model.lora_for("ppo") is not None:
+    """`steps` RL steps of the stage `inputs` describes, opened as the stage opens them (no
+    evaluation, no checkpoint). Call it in a process that has imported what it needs: the baseline is
+    taken on entry, the peak is the process's lifetime peak (reward worker processes are not in it)."""
+    preload_model_code(inputs.upstream.policy.uri, inputs.model.trust_remote_code)
+    if inputs.model.lora is not None:
         import peft  # noqa: F401  # code, not tensors: ~160 MB resident on import, before the baseline
     baseline = resident_bytes()
     if runtime.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runtime.device)
-    started = time.monotonic()
-    models = load_ppo_models(inputs, config.model, cfg, _no_gold, runtime, config.data.chat_template)
-    objective = Objective.of(config)
-    pool = start_reward_pool(config.reward)
-    try:
-        source = build_reward_source(config.reward, models.scoring, None, pool, runtime, config.model)
-        models = dataclasses.replace(models, reward=source)
-        records = load_prompts(data.prompts, data.storage_options)
-        prompts, _, _ = encode_prompt_set(
-            models.tokenizer, records, data.max_prompt_tokens, data.prompt_overflow, data.prompts
-        )
-        controller, done = make_controller(config.kl), []
+    started, done = time.monotonic(), []
+    with RLRun.open(runtime, inputs) as run:
         load_seconds = time.monotonic() - started
+        rows = inputs.rl.rollout_batch * inputs.rollout.n
         for step in range(1, steps + 1):
-            metrics = ppo_step(
-                models, controller, cfg, prompts, config.run.seed, 0, step, config.rollout.generate_batch, objective
-            )
-            done.append(_probe_step(step, metrics, cfg.rollout_batch * config.rollout.n))
+            done.append(_probe_step(step, run.step(step), rows))
             on_step(done[-1])
-    finally:
-        if pool is not None:
-            pool.close()
     gpu_peak = torch.cuda.max_memory_allocated(runtime.device) if runtime.device.type == "cuda" else None
-    longest = max(len(p) for p in prompts.token_ids)
-    return ProbeReport(tuple(done), load_seconds, baseline, peak_resident_bytes(), gpu_peak, longest)
+    longest = max(len(p) for p in run.prompts.token_ids)
+    peak = peak_resident_bytes()
+    return ProbeReport(tuple(done), load_seconds, baseline, peak, gpu_peak, longest, inputs.env is not None)
 
 
 def _probe_step(step: int, metrics: dict[str, float], rows: int) -> ProbeStep:
-    """One step's ProbeStep from ppo_step's metrics; `rows`: samples in the step (prompts x n)."""
+    """One step's ProbeStep from an RL step's metrics; `rows`: samples in the step (prompts x n)."""
     return ProbeStep(
         step=step,
         seconds=metrics["timing_s/step"],
@@ -174,8 +154,5 @@ def _probe_step(step: int, metrics: dict[str, float], rows: int) -> ProbeStep:
         reward=metrics["critic/score/mean"],
         kl=metrics["actor/kl"],
         timings={k: v for k, v in metrics.items() if k.startswith("timing_s/")},
+        turns=metrics.get("env/turns"),
     )
-
-
-def _no_gold(prompt: str, response: str, **fields) -> float:
-    raise AssertionError("a probe never evaluates: the gold function must not be called")

@@ -143,12 +143,12 @@ class Workload:
     critic: ModelShape | None  # None: a critic-free algorithm (GRPO, RLOO, REINFORCE++) loads no critic
     reference: ModelShape
     reward: ModelShape | None  # the round's reward model; None: no reward.sources model without a path
-    rollout_batch: int  # prompts per step (ppo.rollout_batch)
+    rollout_batch: int  # prompts per step (rl.rollout_batch)
     prompt_tokens: int  # longest prompt (data.max_prompt_tokens): every row is padded to it
     response_tokens: int  # sampling.max_new_tokens: an upper bound, a batch decodes until its longest row ends
-    mini_batch: int  # prompts per optimizer step (ppo.mini_batch); rows: x samples_per_prompt
-    epochs: int  # ppo.epochs
-    steps: int  # ppo.steps
+    mini_batch: int  # prompts per optimizer step (rl.mini_batch); rows: x samples_per_prompt
+    epochs: int  # rl.epochs
+    steps: int  # rl.steps
     generate_batch: int  # rows sampled and scored together per rank (rollout.generate_batch)
     precision: Precision
     micro_batch_size: int | None = None  # engine.micro_batch_size (rows); None: a rank's whole mini-batch share
@@ -277,10 +277,10 @@ class Workload:
     def rank_shares_problem(self, n_gpus: int) -> str | None:
         """Why `n_gpus` ranks cannot run this batch (the config's every-rank-needs-a-share rule), or None."""
         if self.mini_batch < n_gpus:
-            return f"ppo.mini_batch={self.mini_batch} is below {n_gpus} ranks"
+            return f"rl.mini_batch={self.mini_batch} is below {n_gpus} ranks"
         if self.chunks < n_gpus:
             return (
-                f"{self.chunks} rollout chunks (ppo.rollout_batch x rollout.n / rollout.generate_batch) are fewer"
+                f"{self.chunks} rollout chunks (rl.rollout_batch x rollout.n / rollout.generate_batch) are fewer"
                 f" than {n_gpus} ranks"
             )
         return None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from rlflow.engine.backend import dist
-from rlflow.engine.config.methods import RewardConfig
+from rlflow.engine.config.methods import RewardConfig, RewardSourceConfig
 from rlflow.engine.config.base import FunctionRef
 from rlflow.engine.data.records import PromptRecord
 from rlflow.engine.errors import RewardFunctionError, RewardSourceError
@@ -119,7 +119,7 @@ class RewardSource:
         if not bool(torch.isfinite(scores).all()):  # e.g. an overflow in a low-precision reward model
             bad = int((~torch.isfinite(scores)).any(dim=1).sum())
             self._failure = f"the reward model returned {bad} non-finite score(s) of {rows} at step {step}"
-        if armed("ppo", "reward_error", step):
+        if armed("rl", "reward_error", step):
             self._failure = f"reward source error injected at step {step} (RLFLOW_FAULT)"
         return scores
 
@@ -198,23 +198,21 @@ class RewardSource:
         return (torch.tensor(raw, dtype=scores.dtype) - self.fallback.mean) / self.fallback.std
 
 
-def declared_rule(reward: RewardConfig, name: str | None) -> Callable[..., float] | None:
-    """The scorer of the rule or function source `name` (reward.valid, reward.judge) as
+def source_scorer(source: RewardSourceConfig | None, on_error: str) -> Callable[..., float] | None:
+    """The scorer of a rule or function source (reward.valid, reward.judge) as
     `(prompt, response, **fields) -> float`, built as the pool builds it, for the evaluations to call
-    in process; None when `name` is None or names a reward model."""
+    in process; None for no source or a reward model (the evaluation loads that)."""
     from rlflow.engine.rewards.pool_worker import build_scorer, source_spec
 
-    source = next((s for s in reward.sources if s.name == name), None)
     if source is None or source.type == "model":
         return None
-    scorer = build_scorer(source_spec(source, reward.on_error))
+    scorer = build_scorer(source_spec(source, on_error))
     return lambda prompt, response, **fields: scorer(prompt, response, fields)
 
 
-def judge_model_path(reward: RewardConfig) -> str | None:
-    """The folder of reward.judge when it is a second reward model (type model with a path), else None."""
-    source = next((s for s in reward.sources if s.name == reward.judge), None)
-    return source.path if source is not None and source.type == "model" else None
+def named_source(reward: RewardConfig, name: str | None) -> RewardSourceConfig | None:
+    """The reward source called `name` (reward.valid, reward.judge); None for None."""
+    return next((s for s in reward.sources if s.name == name), None)
 
 
 def start_reward_pool(reward: RewardConfig) -> RewardFunctionPool | None:

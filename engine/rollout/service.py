@@ -325,7 +325,7 @@ class AheadStart:
     version: int  # the actor's version: completed training steps (the resumed step)
     buffer: dict[str, Any]  # RolloutService.state_dict() of the resumed checkpoint ({} when fresh)
     prompt_of: Callable[[int], Sequence[int]] | None = None  # async: group -> its prompt's token ids
-    batch_groups: int = 1  # async: groups a step trains on (ppo.rollout_batch)
+    batch_groups: int = 1  # async: groups a step trains on (rl.rollout_batch)
     seed: int = 0  # async: the requests' seed stream
 
 
@@ -339,5 +339,5 @@ def _fault_after_first(params: Iterator[tuple[str, torch.Tensor]], step: int) ->
     """The parameters, with the kill point "weight_sync" armed after the first one is sent."""
     for index, item in enumerate(params):
         if index == 1:
-            fault_point("ppo", "weight_sync", step)
+            fault_point("rl", "weight_sync", step)
         yield item

@@ -39,7 +39,7 @@ FATES = ("trained", "dropped", "discarded")  # what became of each group before 
 @dataclass(frozen=True)
 class GroupShape:
     size: int  # rollout.n samples per prompt
-    per_step: int  # B: groups a step trains on (ppo.rollout_batch)
+    per_step: int  # B: groups a step trains on (rl.rollout_batch)
     per_request: int  # groups one generate request carries
 
 

@@ -1,4 +1,4 @@
-"""PPO's guards while training: the KL circuit breaker, reward-source failures, and the breach
+"""The RL stage's guards while training: the KL circuit breaker, reward-source failures, and the breach
 record a stopped stage returns.
 
 A breach is a result, not an error. The stage commits a checkpoint (the KL breach: the step that
@@ -22,7 +22,7 @@ from rlflow.engine.config.methods import RewardConfig
 from rlflow.engine.config.base import FunctionRef
 from rlflow.engine.errors import CheckpointError, RewardSourceError
 from rlflow.engine.rewards.sources import FALLBACK_METRIC, FallbackState, RewardSource
-from rlflow.engine.stages.context import Breach, StageContext, StageOutcome
+from rlflow.engine.stages.context import Breach, StageContext, StageOutcome, StageOverrides
 from rlflow.engine.storage.checkpoint import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -33,20 +33,8 @@ KL_ABOVE_METRIC = "safety/kl_above_max_steps"
 
 
 @dataclass(frozen=True)
-class StageOverrides:
-    """An operator's changes for continuing a paused stage. Not part of the stage identity: the
-    continued stage is the same stage and resumes from its checkpoint."""
-
-    max_kl: float | None = None  # replaces kl.pause_above for the rest of the stage, kept on resume
-    kl_coef: float | None = None  # the KL controller's value from the continued step on
-    # The step the continuation resumes from. kl_coef applies only when resuming at or before it:
-    # a retry that resumes from a later checkpoint keeps the controller value that checkpoint holds.
-    from_step: int | None = None
-
-
-@dataclass(frozen=True)
-class PPOGuards:
-    """One PPO stage's guard settings: the KL breaker (kl.pause_above, kl.pause_patience), reward.*
+class RLGuards:
+    """One RL stage's guard settings: the KL breaker (kl.pause_above, kl.pause_patience), reward.*
     and an operator's overrides."""
 
     max_kl: float | None = None
@@ -56,7 +44,7 @@ class PPOGuards:
     overrides: StageOverrides = field(default_factory=StageOverrides)
 
     @classmethod
-    def of(cls, kl: KLConfig, reward: RewardConfig, overrides: StageOverrides | None = None) -> PPOGuards:
+    def of(cls, kl: KLConfig, reward: RewardConfig, overrides: StageOverrides | None = None) -> RLGuards:
         return cls(kl.pause_above, kl.pause_patience, reward.on_failure, reward.fallback_rule, overrides or StageOverrides())
 
 
@@ -83,12 +71,12 @@ class GuardState:
             ) from None
 
 
-class PPOSafety:
-    """The guards of one running PPO stage (created after the resume's state is restored)."""
+class RLSafety:
+    """The guards of one running RL stage (created after the resume's state is restored)."""
 
     def __init__(
         self,
-        guards: PPOGuards,
+        guards: RLGuards,
         label: str,
         saved: dict[str, Any] | None,
         resume: int | None,

@@ -36,6 +36,18 @@ class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
 
+@dataclass(frozen=True)
+class StageOverrides:
+    """An operator's changes for continuing a paused RL stage (flows/breach.py). Not part of the stage
+    identity: the continued stage is the same stage and resumes from its checkpoint."""
+
+    max_kl: float | None = None  # replaces kl.pause_above for the rest of the stage, kept on resume
+    kl_coef: float | None = None  # the KL controller's value from the continued step on
+    # The step the continuation resumes from. kl_coef applies only when resuming at or before it:
+    # a retry that resumes from a later checkpoint keeps the controller value that checkpoint holds.
+    from_step: int | None = None
+
+
 class Breach(Record):
     """Why and where a stage stopped for an operator."""
 
@@ -50,7 +62,7 @@ class StageContext:
     """Where a stage writes and how it is identified; no whole-config object travels here."""
 
     store: CheckpointStore
-    stage: str  # "sft" | "rm" | "ppo" | "eval" | "label"
+    stage: str  # "sft" | "label" | "rm" | "rl" | "dpo" | "eval"
     round_index: int
     seed: int
     identity: str  # sha256 over config subtree, input manifests and data fingerprints
@@ -64,6 +76,8 @@ class StageContext:
     allow_config_change: bool = False  # resume.allow_config_change: continue a stage whose identity changed
     mirror: CheckpointMirror | None = None  # checkpoint.mirror: a second copy of every committed step
     stop: StopRequest | None = None  # a callback's early stop (in-process stages only)
+    overrides: StageOverrides = field(default_factory=StageOverrides)  # an operator's, continuing after a breach
+    rollout_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the RL stage's rollout worker (placement.rollout)
 
     def __post_init__(self) -> None:
         # Every logged step reports checkpoint/mirror_lag_steps without the stage loops knowing.
@@ -85,4 +99,5 @@ class StageOutcome(Record):
     resumed_from: int | None = None
     skipped: bool = False  # True when the final marker already matched (nothing was run)
     changed_keys: tuple[str, ...] = ()  # identity keys changed under resume.allow_config_change
-    breach: Breach | None = None  # PPO stopped for an operator (engine/stages/breaker.py): not finished, no final.json
+    # the RL stage stopped for an operator (engine/stages/breaker.py): not finished, no final.json
+    breach: Breach | None = None

@@ -18,16 +18,15 @@ import gc
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from rlflow.engine.backend import dist
 from rlflow.engine.backend.runtime import LossParts, OptimSpec, Runtime, TrainEngine
 from rlflow.engine.data.batching import PromptResponseIds, batch_indices, pack_rows, rank_shard, right_pad
-from rlflow.engine.config.schema import DataConfig
+from rlflow.engine.config.base import SectionView
+from rlflow.engine.config.schema import Config, DataConfig
 from rlflow.engine.config.execution import EngineConfig
-from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.config.methods import DPOConfig
 from rlflow.engine.data.records import PreferencePair, load_preference_pairs
 from rlflow.engine.algorithms.dpo_loss import chosen_nll, dpo_loss
@@ -36,9 +35,10 @@ from rlflow.engine.models.lm_head import next_token_logprobs
 from rlflow.engine.models.lora import lora_metrics
 from rlflow.engine.models.loading import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.stages.reward_model import _pair_rows
-from rlflow.engine.stages.context import StageContext, StageOutcome
+from rlflow.engine.stages.context import Record, StageContext, StageOutcome
+from rlflow.engine.stages.inputs import LabelsInput, ModelInput, ModelLoading, StageInputs
 from rlflow.engine.stages.lifecycle import finish, restore_training_state, save_checkpoint
-from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
+from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def pass_pairs(engine_cfg: EngineConfig, cfg: DPOConfig) -> int:
 
 
 def reference_logps(
-    runtime: Runtime, reference_path: str, model_cfg: ModelConfig, rows: PairRows, pad_id: int, chunk: int
+    runtime: Runtime, reference_path: str, model_cfg: ModelLoading, rows: PairRows, pad_id: int, chunk: int
 ) -> torch.Tensor:
     """[N, 2] (chosen, rejected) summed log-probs under the frozen reference; the model is freed."""
     reference = runtime.frozen(lambda: load_policy(reference_path, key="reference", **model_kwargs(model_cfg)))
@@ -120,7 +120,7 @@ def logps_sha256(logps: torch.Tensor) -> str:
 
 
 def load_dpo_pairs(
-    data: DataConfig, preference_files: tuple[str, ...], include_offline: bool
+    data: DPOData, preference_files: tuple[str, ...], include_offline: bool
 ) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """(training pairs, clean held-out pairs). Training: data.preferences when `include_offline`,
     plus every file of `preference_files`. Tied pairs (chosen == rejected) carry no preference and
@@ -198,44 +198,65 @@ def evaluate(engine: TrainEngine, rows: PairRows, ref: torch.Tensor, pad_id: int
     return dict(zip(EVAL, (float((margin > 0).float().mean()), float(margin.mean()))))
 
 
-@dataclass(frozen=True)
-class DPOStageInputs:
-    """What the DPO stage needs, built once by the worker (engine/stages/worker.py)."""
+class DPOData(SectionView, source=DataConfig):
+    """The data.* keys DPO reads."""
 
-    init_path: str  # the policy to start from (a local model directory)
-    reference_path: str  # the frozen reference policy (a local model directory)
-    model: ModelConfig  # model.*: loading options and LoRA
-    dpo: DPOConfig  # dpo.*: beta, loss, optimizer, epochs, batch size
-    data: DataConfig  # data.preferences(_eval), chat template, storage options
-    preference_files: tuple[str, ...] = ()  # online-labelled pairs (JSONL URIs) to train on
-    include_offline: bool = True  # train on data.preferences too (dpo.include_offline)
+    preferences: str | None
+    preferences_eval: str | None
+    chat_template: Literal["auto", "none"]
+    storage_options: dict[str, Any]
 
 
-@training_stage
-def run_dpo_stage(ctx: StageContext, inputs: DPOStageInputs, start: StageStart) -> StageOutcome:
-    """Train the policy from `inputs.init_path` with DPO against the frozen policy at
-    `inputs.reference_path`.
+class DPOUpstream(Record):
+    init: ModelInput  # the policy to start from
+    reference: ModelInput  # the frozen reference policy (dpo.reference)
+    labels: LabelsInput | None = None  # the round's online-labelled pairs of the starting policy (online DPO)
 
-    Pairs: data.preferences when `inputs.include_offline`, plus `inputs.preference_files`
-    (online-labelled JSONL URIs); held-out accuracy on data.preferences_eval (clean labels). The
-    final checkpoint holds the policy as an HF directory `model` (with its tokenizer), like SFT's."""
+
+class DPOInputs(StageInputs):
+    """Everything the DPO stage reads."""
+
+    upstream: DPOUpstream
+    model: ModelLoading
+    dpo: DPOConfig  # beta, loss, optimizer, epochs, batch size, include_offline
+    data: DPOData
+
+
+def inputs_from(config: Config, upstream: DPOUpstream) -> DPOInputs:
+    return DPOInputs(
+        seed=config.run.seed,
+        upstream=upstream,
+        model=ModelLoading.for_stage(config.model, "dpo"),
+        dpo=config.dpo,
+        data=DPOData.of(config.data),
+    )
+
+
+def run_dpo_stage(ctx: StageContext, inputs: DPOInputs, start: StageStart) -> StageOutcome:
+    """Train the policy from `upstream.init` with DPO against the frozen policy `upstream.reference`.
+
+    Pairs: data.preferences when dpo.include_offline, plus the upstream labels' pairs; held-out
+    accuracy on data.preferences_eval (clean labels). The final checkpoint holds the policy as an HF
+    directory `model` (with its tokenizer), like SFT's."""
     resume, changed, guard = start
     cfg, data = inputs.dpo, inputs.data
-    tokenizer = load_tokenizer(inputs.init_path, inputs.model.trust_remote_code, chat_template=data.chat_template)
+    init, labels = inputs.upstream.init.uri, inputs.upstream.labels
+    tokenizer = load_tokenizer(init, inputs.model.trust_remote_code, chat_template=data.chat_template)
     pad = tokenizer.pad_token_id
-    train_pairs, eval_pairs = load_dpo_pairs(data, inputs.preference_files, inputs.include_offline)
+    files = (labels.train,) if labels is not None and labels.train is not None else ()
+    train_pairs, eval_pairs = load_dpo_pairs(data, files, cfg.include_offline)
     rows = _pair_rows(tokenizer, train_pairs + eval_pairs, cfg.max_seq_tokens)
     chunk = pass_pairs(ctx.runtime.cfg, cfg)
     # Before the policy is loaded: one model in memory at a time.
-    ref = reference_logps(ctx.runtime, inputs.reference_path, inputs.model, rows, pad, chunk)
+    ref = reference_logps(ctx.runtime, inputs.upstream.reference.uri, inputs.model, rows, pad, chunk)
     train_rows, eval_rows = rows[: len(train_pairs)], rows[len(train_pairs) :]
     train_ref, eval_ref = ref[: len(train_pairs)], ref[len(train_pairs) :]
     ref_sha = logps_sha256(ref)
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, total_steps, cfg.max_grad_norm)
-    load = lambda: load_policy(inputs.init_path, **model_kwargs(inputs.model))  # noqa: E731
-    engine = ctx.runtime.trainable("model", load, optim, lora=inputs.model.lora_for("dpo"))  # only adapters, if any
-    if inputs.model.lora_for("dpo"):
+    load = lambda: load_policy(init, **model_kwargs(inputs.model))  # noqa: E731
+    engine = ctx.runtime.trainable("model", load, optim, lora=inputs.model.lora)  # only adapters, if any
+    if inputs.model.lora:
         ctx.sink.log_metrics(lora_metrics("policy", engine.model), 0)
     engine.train()
     step, metrics = 0, {}

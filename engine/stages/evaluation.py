@@ -12,8 +12,8 @@ from rlflow.engine.algorithms.kl import token_kl
 from rlflow.engine.algorithms.stats import distinct_n, masked_mean, mean_and_stderr
 from rlflow.engine.backend import dist
 from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.data.records import PromptRecord, apply_overflow, encode_prompts, format_prompt
-from rlflow.engine.errors import DataError
+from rlflow.engine.data.prompts import PromptSet
+from rlflow.engine.data.records import PromptRecord
 from rlflow.engine.rewards.model_scores import ScoringModels, ensemble_mean_std, normalised_head_scores
 from rlflow.engine.rewards.user_functions import GoldScores, score_answers
 from rlflow.engine.rollout.episodes import EpisodeSampler, episode_metrics
@@ -33,37 +33,6 @@ class PolicyEvaluation:
     valid: tuple[float, ...]  # [n_prompts] 1.0 where the answer is valid, else 0.0 (eval/valid_fraction's terms)
     judge: tuple[float, ...] | None = None  # [n_prompts] reward.judge's score of each answer; None: no judge
     rm_scores: tuple[float, ...] | None = None  # [n_prompts] the reward model's normalised score; None: none
-
-
-@dataclass(frozen=True)
-class PromptSet:
-    records: tuple[PromptRecord, ...]
-    token_ids: tuple[tuple[int, ...], ...]
-
-
-def encode_prompt_set(
-    tokenizer: Any, records: Sequence[PromptRecord], max_tokens: int, overflow: str, source: str,
-    episodes: EpisodeSampler | None = None,
-) -> tuple[PromptSet, int, int]:
-    """Format and tokenize prompts; returns the kept set and (n_truncated, n_dropped). With
-    `episodes` a prompt is an episode's first messages, tool instructions included (what the
-    model reads), and the episode sampler truncates them as the overflow policy says.
-
-    Raises DataError naming `source` (the data file) when no prompt is left."""
-    if episodes is None:
-        encoded = encode_prompts(tokenizer, [format_prompt(tokenizer, r.prompt) for r in records], max_tokens, overflow)
-    else:
-        encoded = apply_overflow(episodes.prompt_ids(records), max_tokens, overflow)
-    if not encoded.token_ids:
-        what = "every prompt"
-        if episodes is not None:
-            what += ", as an episode's first messages (tool instructions included),"
-        raise DataError(
-            f"{source}: {what} is longer than data.max_prompt_tokens={max_tokens} and was dropped; "
-            "raise the limit or set data.prompt_overflow=truncate"
-        )
-    kept = tuple(records[i] for i in encoded.kept_indices)
-    return PromptSet(kept, tuple(tuple(t) for t in encoded.token_ids)), encoded.n_truncated, encoded.n_dropped
 
 
 REGRESSION_MAX_TOKENS = 1024  # a data.regression record longer than this keeps its prompt's last tokens
@@ -114,6 +83,67 @@ def evaluate_policy(
     prompt is an episode, scored on its final answer, and eval/env/* counts its turns and tool calls
     (the KL and length are over the model's tokens of every turn).
     """
+    table, texts, played = _measure_chunks(
+        policy, tokenizer, prompts, models, sampling, seed, batch_size, generate_kwargs, episodes
+    )
+    rm, rm_std, kl_ref, kl_sft, judged, lengths = ([table[:, i]] for i in range(6))
+    records = prompts.records
+    gold, declared, judge = _gold_scores(models.gold, records, texts, models.valid, models.judge)
+    if models.judge_model is not None:
+        judge = [float(x) for x in judged[0]]
+    n = len(gold.scores)
+    mean, stderr = mean_and_stderr(gold.scores)
+    # The declared valid rule (reward.valid) where there is one, else the gold's own "valid"
+    # component, else a positive gold score counts as valid.
+    valid = declared or [float(v) for v in gold.components.get("valid", [s > 0 for s in gold.scores])]
+    metrics = {
+        "eval/gold_score": mean,
+        "eval/gold_score_stderr": stderr,
+        "eval/kl": float(torch.cat(kl_ref).mean()),
+        "eval/kl_to_sft": float(torch.cat(kl_sft).mean()),
+        "eval/response_length": float(torch.cat(lengths).float().mean()),
+        "eval/distinct_2": distinct_n([t.split() for t in texts], 2),
+        "eval/valid_fraction": sum(valid) / n,
+    }
+    if judge is not None:
+        metrics["eval/judge_score"] = sum(judge) / n
+    if models.reward_model is not None:
+        metrics["eval/rm_score"] = float(torch.cat(rm).mean())
+        if not torch.isnan(torch.cat(rm_std)).all():  # an ensemble reward model: its heads' mean spread
+            metrics["eval/rm_score_std_ensemble"] = float(torch.cat(rm_std).mean())
+    if episodes is not None:
+        metrics |= episode_metrics(played, "eval/env/") | _tool_use_metrics(played, gold.scores)
+    metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
+    rows = [
+        {
+            "prompt": records[i].prompt,
+            "response": texts[i],
+            "gold_score": gold.scores[i],
+            "rm_score": None if models.reward_model is None else float(torch.cat(rm)[i]),
+        }
+        | ({"transcript": played[i]["transcript"]} if episodes is not None else {})
+        for i in range(min(n_samples, n))
+    ]
+    rm_scores = None if models.reward_model is None else tuple(float(x) for x in rm[0])
+    judged_scores = None if judge is None else tuple(float(x) for x in judge)
+    return PolicyEvaluation(metrics, rows, tuple(float(x) for x in gold.scores), tuple(valid), judged_scores, rm_scores)
+
+
+def _measure_chunks(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: PromptSet,
+    models: ScoringModels,
+    sampling: SamplingParams,
+    seed: int,
+    batch_size: int,
+    generate_kwargs: dict[str, Any] | None,
+    episodes: EpisodeSampler | None,
+) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
+    """Sample every prompt's answer in chunks of `batch_size` (each seeded from (seed, its start),
+    spread over the ranks) and measure it: ([n_prompts, 6] rm score, its heads' std, KL to the
+    reference and to the SFT policy, a judge model's score, length; the answers; with `episodes`,
+    each one's summary and transcript), gathered in prompt order on every rank."""
     texts: list[str] = []
     played: list[dict[str, Any]] = []  # with episodes: each row's Trajectory.summary() and transcript
     per_row: list[torch.Tensor] = []  # [b, 6] per chunk: rm score, its heads' std, kl to reference and sft,
@@ -148,48 +178,9 @@ def evaluate_policy(
     n_prompts = len(prompts.token_ids)
     table = dist.gather_chunked(torch.cat(per_row), n_prompts, batch_size, 0.0)
     texts = dist.gather_chunked_list(texts, n_prompts, batch_size)
-    rm, rm_std, kl_ref, kl_sft, judged, lengths = ([table[:, i]] for i in range(6))
-    records = prompts.records
-    gold, declared, judge = _gold_scores(models.gold, records, texts, models.valid, models.judge)
-    if models.judge_model is not None:
-        judge = [float(x) for x in judged[0]]
-    n = len(gold.scores)
-    mean, stderr = mean_and_stderr(gold.scores)
-    # The declared valid rule (reward.valid) where there is one, else the gold's own "valid"
-    # component, else a positive gold score counts as valid.
-    valid = declared or [float(v) for v in gold.components.get("valid", [s > 0 for s in gold.scores])]
-    metrics = {
-        "eval/gold_score": mean,
-        "eval/gold_score_stderr": stderr,
-        "eval/kl": float(torch.cat(kl_ref).mean()),
-        "eval/kl_to_sft": float(torch.cat(kl_sft).mean()),
-        "eval/response_length": float(torch.cat(lengths).float().mean()),
-        "eval/distinct_2": distinct_n([t.split() for t in texts], 2),
-        "eval/valid_fraction": sum(valid) / n,
-    }
-    if judge is not None:
-        metrics["eval/judge_score"] = sum(judge) / n
-    if models.reward_model is not None:
-        metrics["eval/rm_score"] = float(torch.cat(rm).mean())
-        if not torch.isnan(torch.cat(rm_std)).all():  # an ensemble reward model: its heads' mean spread
-            metrics["eval/rm_score_std_ensemble"] = float(torch.cat(rm_std).mean())
     if episodes is not None:
         played = dist.gather_chunked_list(played, n_prompts, batch_size)
-        metrics |= episode_metrics(played, "eval/env/") | _tool_use_metrics(played, gold.scores)
-    metrics.update({f"eval/gold/{k}": sum(v) / n for k, v in gold.components.items()})
-    rows = [
-        {
-            "prompt": records[i].prompt,
-            "response": texts[i],
-            "gold_score": gold.scores[i],
-            "rm_score": None if models.reward_model is None else float(torch.cat(rm)[i]),
-        }
-        | ({"transcript": played[i]["transcript"]} if episodes is not None else {})
-        for i in range(min(n_samples, n))
-    ]
-    rm_scores = None if models.reward_model is None else tuple(float(x) for x in rm[0])
-    judged_scores = None if judge is None else tuple(float(x) for x in judge)
-    return PolicyEvaluation(metrics, rows, tuple(float(x) for x in gold.scores), tuple(valid), judged_scores, rm_scores)
+    return table, texts, played
 
 
 def _judge_model_scores(judge_model: torch.nn.Module | None, batch: Any, rows: int) -> torch.Tensor:

@@ -5,14 +5,13 @@ training state, save checkpoints at the cadence, consolidate, and finish with a 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import platform
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,21 +26,14 @@ from rlflow.engine.backend.optim_state import (
     state_json,
 )
 from rlflow.engine.backend.runtime import TrainEngine
-from rlflow.engine.config.secrets import diff_keys
 from rlflow.engine.errors import CheckpointError
 from rlflow.engine.faults import fault_point
 from rlflow.engine.models.loading import save_model_dir
 from rlflow.engine.seeds import seed_everything, step_seed
 from rlflow.engine.stages.context import StageContext, StageOutcome
-
-if TYPE_CHECKING:
-    pass
+from rlflow.engine.stages.identity import IDENTITY_FORMAT, changed_keys, legacy_message
 
 log = logging.getLogger(__name__)
-
-
-def compute_identity(tree: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def completed_outcome(ctx: StageContext) -> StageOutcome | None:
@@ -59,6 +51,7 @@ def completed_outcome(ctx: StageContext) -> StageOutcome | None:
         return None
     changed: tuple[str, ...] = ()
     if final.get("identity") != ctx.identity:
+        _refuse_legacy(ctx, final.get("identity_tree", {}))
         changed = changed_keys(final.get("identity_tree", {}), ctx.identity_tree)
         if not ctx.allow_config_change:
             raise CheckpointError(
@@ -79,10 +72,11 @@ def completed_outcome(ctx: StageContext) -> StageOutcome | None:
     )
 
 
-def changed_keys(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, ...]:
-    """Identity-tree keys that differ: "config.ppo.clip_ratio" -> "ppo.clip_ratio"; "inputs.policy"
-    and "data.sft" stay as they are."""
-    return tuple(k.removeprefix("config.") for k in diff_keys(recorded, current)) or ("(inputs)",)
+def _refuse_legacy(ctx: StageContext, recorded: dict[str, Any]) -> None:
+    """A stage written by an rlflow before identities were derived from the stage's inputs has no
+    identity this rlflow can compare: never continued or kept, whatever resume.allow_config_change says."""
+    if recorded.get("format") != IDENTITY_FORMAT:
+        raise CheckpointError(legacy_message(f"stage round_{ctx.round_index}/{ctx.stage} at {ctx.store.url}"))
 
 
 def software_versions() -> dict[str, str]:
@@ -179,7 +173,9 @@ def start_stage(ctx: StageContext) -> tuple[int | None, tuple[str, ...]]:
         if step is not None:
             _warn_on_version_change(ctx, step)
         return step, ()
-    changed = changed_keys(ctx.store.manifest(newest)["meta"].get("identity_tree", {}), ctx.identity_tree)
+    recorded = ctx.store.manifest(newest)["meta"].get("identity_tree", {})
+    _refuse_legacy(ctx, recorded)
+    changed = changed_keys(recorded, ctx.identity_tree)
     if not ctx.allow_config_change:
         raise CheckpointError(
             f"stage round_{ctx.round_index}/{ctx.stage} at {ctx.store.url} was interrupted at step {newest} under a "

@@ -5,25 +5,21 @@ heartbeat and the step/sigterm/hang fault points), the non-finite-loss fault, th
 the skipped-update count, the `update` fault point, the stage's evaluation, the guard's `end`,
 logging, and the checkpoint cadence (scheduled, last step, preemption, or a step the stage asks to
 keep). A stage supplies only its update, what follows it, and its commit: `StageSteps`.
-`training_stage` is the entry every training stage shares: the finished outcome if the store
-holds one, else the resumed step (or none), what changed, and the stage's guard.
+A training stage's body gets its StageStart from the one dispatcher (engine/stages/catalog.py
+run_stage): the resumed step (or none), what changed, and the stage's guard.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol
 
 from rlflow.engine.backend.runtime import TrainEngine
 from rlflow.engine.faults import fault_point
 from rlflow.engine.stages.context import Breach, StageContext, StageOutcome
 from rlflow.engine.stages.guard import StageGuard
-from rlflow.engine.stages.lifecycle import completed_outcome, should_consolidate, start_stage
-
-Inputs = TypeVar("Inputs")
+from rlflow.engine.stages.lifecycle import should_consolidate
 
 
 class StageStart(NamedTuple):
@@ -32,23 +28,6 @@ class StageStart(NamedTuple):
     resume: int | None  # the committed step it resumes from; None: a fresh start
     changed: tuple[str, ...]  # identity keys changed under resume.allow_config_change
     guard: StageGuard
-
-
-def training_stage(
-    body: Callable[[StageContext, Inputs, StageStart], StageOutcome],
-) -> Callable[[StageContext, Inputs], StageOutcome]:
-    """A training stage's entry, `(ctx, inputs) -> StageOutcome`: the outcome the store recorded if
-    the stage already finished with this identity, else `body(ctx, inputs, start)` once the stage
-    has started (or resumed from its last committed step)."""
-
-    @functools.wraps(body)
-    def run(ctx: StageContext, inputs: Inputs) -> StageOutcome:
-        if (done := completed_outcome(ctx)) is not None:
-            return done
-        resume, changed = start_stage(ctx)
-        return body(ctx, inputs, StageStart(resume, changed, StageGuard(ctx, resume)))
-
-    return run
 
 
 @dataclass

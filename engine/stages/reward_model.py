@@ -4,9 +4,7 @@ an ensemble of rm.ensemble heads on one backbone, each on its own bootstrap resa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
-from typing import Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +19,9 @@ from rlflow.engine.data.batching import (
     rank_shard,
     right_pad,
 )
-from rlflow.engine.config.schema import DataConfig
+from rlflow.engine.config.base import SectionView
+from rlflow.engine.config.schema import Config, DataConfig
 from rlflow.engine.config.stages import RewardModelConfig
-from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.data.records import PreferencePair, load_preference_pairs, load_sft_examples
 from rlflow.engine.models.loading import (
     head_columns,
@@ -34,9 +32,10 @@ from rlflow.engine.models.loading import (
 )
 from rlflow.engine.rewards.model_scores import ScoreNorm, ensemble_mean_std
 from rlflow.engine.errors import DataError
-from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
+from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop
 from rlflow.engine.models.lora import lora_metrics
-from rlflow.engine.stages.context import StageContext, StageOutcome
+from rlflow.engine.stages.context import Record, StageContext, StageOutcome
+from rlflow.engine.stages.inputs import LabelsInput, ModelInput, ModelLoading, StageInputs
 from rlflow.engine.stages.lifecycle import finish, restore_training_state, save_checkpoint
 
 
@@ -200,17 +199,18 @@ def rm_train_step(
     }
 
 
-def _load_pairs(urls: list[str], data: DataConfig) -> list[PreferencePair]:
+def _load_pairs(urls: list[str], data: RewardModelData) -> list[PreferencePair]:
     return [pair for url in urls for pair in load_preference_pairs(url, data.storage_options)]
 
 
 def _stage_pairs(
-    tokenizer, data: DataConfig, extra: tuple[str, ...], held_out: tuple[str, ...], max_tokens: int
+    tokenizer, data: RewardModelData, labels: tuple[LabelsInput, ...], max_tokens: int
 ) -> tuple[list[PairRow], dict[str, list[PairRow]]]:
     """(training pair rows, {accuracy metric: held-out pair rows}); tied held-out pairs carry no
     label and are dropped."""
     offline = [data.preferences] if data.preferences else []
-    train_rows = _pair_rows(tokenizer, _load_pairs(offline + list(extra), data), max_tokens)
+    extra = [labelled.train for labelled in labels if labelled.train is not None]
+    train_rows = _pair_rows(tokenizer, _load_pairs(offline + extra, data), max_tokens)
     if not train_rows:
         raise DataError(
             "the reward model has no preference pairs to train on: data.preferences is null and the online"
@@ -218,7 +218,7 @@ def _stage_pairs(
         )
     urls = {
         "rm/accuracy": [data.preferences_eval] if data.preferences_eval else [],
-        "rm/accuracy_online": list(held_out),
+        "rm/accuracy_online": [labelled.held_out for labelled in labels if labelled.held_out is not None],
     }
     return train_rows, {
         key: _pair_rows(tokenizer, [p for p in _load_pairs(u, data) if p.chosen != p.rejected], max_tokens)
@@ -227,39 +227,60 @@ def _stage_pairs(
     }
 
 
-@dataclass(frozen=True)
-class RewardModelStageInputs:
-    """What the reward-model stage needs, built once by the worker (engine/stages/worker.py)."""
+class RewardModelData(SectionView, source=DataConfig):
+    """The data.* keys the reward model reads (data.sft: its score-normalisation set)."""
 
-    init_path: str  # the model to start from (the SFT policy, a local directory)
-    model: ModelConfig  # model.*: loading options and LoRA
-    rm: RewardModelConfig  # rm.*: optimizer, epochs, batch size, score-normalisation samples
-    data: DataConfig  # data.preferences(_eval), data.sft (the normalisation set), chat template
-    extra_preferences: tuple[str, ...] = ()  # online-labelled pairs (JSONL URIs) to train on too
-    eval_preferences: tuple[str, ...] = ()  # held-out online-labelled pairs (label.eval_fraction)
+    preferences: str | None
+    preferences_eval: str | None
+    sft: str
+    chat_template: Literal["auto", "none"]
+    storage_options: dict[str, Any]
 
 
-@training_stage
-def run_reward_model_stage(ctx: StageContext, inputs: RewardModelStageInputs, start: StageStart) -> StageOutcome:
-    """Train on data.preferences (when set) plus `inputs.extra_preferences` (online-labelled JSONL
-    URIs); measure accuracy on data.preferences_eval (clean gold labels: rm/accuracy) and on
-    `inputs.eval_preferences` (held-out online labels of the policy's own answers: rm/accuracy_online)."""
+class RewardModelUpstream(Record):
+    init: ModelInput  # the model the reward model starts from (rm.init)
+    labels: tuple[LabelsInput, ...] = ()  # every online label stage so far, and the human label files
+
+
+class RewardModelInputs(StageInputs):
+    """Everything the reward-model stage reads."""
+
+    upstream: RewardModelUpstream
+    model: ModelLoading
+    rm: RewardModelConfig  # optimizer, epochs, batch size, ensemble, score-normalisation samples
+    data: RewardModelData
+
+
+def inputs_from(config: Config, upstream: RewardModelUpstream) -> RewardModelInputs:
+    return RewardModelInputs(
+        seed=config.run.seed,
+        upstream=upstream,
+        model=ModelLoading.for_stage(config.model, "rm"),
+        rm=config.rm,
+        data=RewardModelData.of(config.data),
+    )
+
+
+def run_reward_model_stage(ctx: StageContext, inputs: RewardModelInputs, start: StageStart) -> StageOutcome:
+    """Train on data.preferences (when set) plus the upstream labels' training pairs; measure accuracy
+    on data.preferences_eval (clean gold labels: rm/accuracy) and on the labels' held-out pairs (the
+    policy's own answers: rm/accuracy_online)."""
     resume, changed, guard = start
     cfg, data = inputs.rm, inputs.data
-    tokenizer = load_tokenizer(inputs.init_path, inputs.model.trust_remote_code, chat_template=data.chat_template)
+    init = inputs.upstream.init.uri
+    tokenizer = load_tokenizer(init, inputs.model.trust_remote_code, chat_template=data.chat_template)
     pad = tokenizer.pad_token_id
 
     def load():
-        model = load_scalar_model(inputs.init_path, heads=cfg.ensemble, **model_kwargs(inputs.model))
+        model = load_scalar_model(init, heads=cfg.ensemble, **model_kwargs(inputs.model))
         model.config.pad_token_id = pad
         return model
 
-    held_out = inputs.eval_preferences
-    train_rows, eval_sets = _stage_pairs(tokenizer, data, inputs.extra_preferences, held_out, cfg.max_seq_tokens)
+    train_rows, eval_sets = _stage_pairs(tokenizer, data, inputs.upstream.labels, cfg.max_seq_tokens)
     total_steps = cfg.epochs * math.ceil(len(train_rows) / cfg.batch_size)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, total_steps, cfg.max_grad_norm)
-    engine = ctx.runtime.trainable("model", load, optim, lora=inputs.model.lora_for("rm"))
-    if inputs.model.lora_for("rm"):
+    engine = ctx.runtime.trainable("model", load, optim, lora=inputs.model.lora)
+    if inputs.model.lora:
         ctx.sink.log_metrics(lora_metrics("reward_model", engine.model), 0)
     engine.train()
     weights = bootstrap_weights(len(train_rows), cfg.ensemble, ctx.seed, ctx.round_index, 3)
@@ -286,7 +307,7 @@ class _RewardModelSteps:
     statistics RL normalises with (kept in the last checkpoint) and the held-out accuracies."""
 
     def __init__(
-        self, ctx: StageContext, engine: TrainEngine, tokenizer: Any, cfg: RewardModelConfig, data: DataConfig,
+        self, ctx: StageContext, engine: TrainEngine, tokenizer: Any, cfg: RewardModelConfig, data: RewardModelData,
         rows: tuple[list, torch.Tensor, dict[str, list]], total_steps: int,
     ):
         self.ctx, self.engine, self.tokenizer, self.cfg, self.data = ctx, engine, tokenizer, cfg, data

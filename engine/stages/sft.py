@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from rlflow.engine.backend import dist
@@ -18,16 +17,17 @@ from rlflow.engine.data.batching import (
     rank_shard,
     right_pad,
 )
-from rlflow.engine.config.schema import DataConfig
+from rlflow.engine.config.base import SectionView
+from rlflow.engine.config.schema import Config, DataConfig
 from rlflow.engine.config.stages import SFTConfig
-from rlflow.engine.config.model import ModelConfig
 from rlflow.engine.data.records import SFTExample, load_sft_examples
 from rlflow.engine.errors import DataError
 from rlflow.engine.models.loading import load_policy, load_tokenizer, model_device, model_kwargs, position_ids_from_mask
 from rlflow.engine.models.lm_head import next_token_logprobs
-from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop, training_stage
+from rlflow.engine.stages.loop import StageStart, StepReport, run_stage_loop
 from rlflow.engine.models.lora import lora_metrics
-from rlflow.engine.stages.context import StageContext, StageOutcome
+from rlflow.engine.stages.context import Record, StageContext, StageOutcome
+from rlflow.engine.stages.inputs import ModelInput, ModelLoading, StageInputs
 from rlflow.engine.stages.lifecycle import finish, restore_training_state, save_checkpoint
 
 
@@ -89,30 +89,52 @@ def encode_sft_example(tokenizer: Any, example: SFTExample, cfg: SFTConfig, enco
     return encode_conversation(tokenizer, example, cfg.max_seq_tokens, encoders)
 
 
-@dataclass(frozen=True)
-class SFTStageInputs:
-    """What the SFT stage needs, built once by the worker (engine/stages/worker.py)."""
+class SFTData(SectionView, source=DataConfig):
+    """The data.* keys SFT reads."""
 
-    init_path: str  # the policy to start from (a local model directory)
-    model: ModelConfig  # model.*: loading options and LoRA
-    sft: SFTConfig  # sft.*: optimizer, batch size, plateau criterion
-    data: DataConfig  # data.sft and data.sft_eval, chat template, storage options
+    sft: str
+    sft_eval: str
+    chat_template: Literal["auto", "none"]
+    storage_options: dict[str, Any]
 
 
-@training_stage
-def run_sft_stage(ctx: StageContext, inputs: SFTStageInputs, start: StageStart) -> StageOutcome:
-    """Train the policy from `inputs.init_path` on data.sft; stop when data.sft_eval loss plateaus.
+class SFTUpstream(Record):
+    init: ModelInput  # the policy SFT starts from
+
+
+class SFTInputs(StageInputs):
+    """Everything the SFT stage reads."""
+
+    upstream: SFTUpstream
+    model: ModelLoading
+    sft: SFTConfig  # optimizer, batch size, plateau criterion
+    data: SFTData
+
+
+def inputs_from(config: Config, upstream: SFTUpstream) -> SFTInputs:
+    return SFTInputs(
+        seed=config.run.seed,
+        upstream=upstream,
+        model=ModelLoading.for_stage(config.model, "sft"),
+        sft=config.sft,
+        data=SFTData.of(config.data),
+    )
+
+
+def run_sft_stage(ctx: StageContext, inputs: SFTInputs, start: StageStart) -> StageOutcome:
+    """Train the policy from `inputs.upstream.init` on data.sft; stop when data.sft_eval loss plateaus.
 
     Plateau: `sft.patience` held-out evaluations in a row without a 1% relative improvement on
     the best so far, or `sft.max_steps` optimizer steps.
     """
     resume, changed, guard = start
     cfg, data = inputs.sft, inputs.data
-    tokenizer = load_tokenizer(inputs.init_path, inputs.model.trust_remote_code, chat_template=data.chat_template)
+    init = inputs.upstream.init.uri
+    tokenizer = load_tokenizer(init, inputs.model.trust_remote_code, chat_template=data.chat_template)
     optim = OptimSpec(cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.max_steps, cfg.max_grad_norm)
-    load = lambda: load_policy(inputs.init_path, **model_kwargs(inputs.model))  # noqa: E731
-    engine = ctx.runtime.trainable("model", load, optim, lora=inputs.model.lora_for("sft"))
-    if inputs.model.lora_for("sft"):
+    load = lambda: load_policy(init, **model_kwargs(inputs.model))  # noqa: E731
+    engine = ctx.runtime.trainable("model", load, optim, lora=inputs.model.lora)
+    if inputs.model.lora:
         ctx.sink.log_metrics(lora_metrics("policy", engine.model), 0)
     engine.train()
     encoders: dict = {}  # one ConversationEncoder per tool set

@@ -1,15 +1,16 @@
-"""Run one training stage: in this process (torch backend) or as every rank of a distributed job.
+"""Run one stage: in this process, or as every rank of a distributed job (a training stage under
+engine.backend=deepspeed).
 
 `python -m rlflow.engine.stages.worker SPEC.json` is what the launcher starts on each rank. The spec
 holds the config with secrets redacted (their values come from $RLFLOW_SECRETS), the stage's
-identity and its inputs; rank 0 reports metrics as event lines on stdout and writes the outcome
-to the spec's `outcome_path`. The same `run_stage_call` serves the in-process path, so the two
-cannot drift apart.
+identity and its upstream; every rank builds the stage's inputs with the stage's own `inputs_from`
+(engine/stages/catalog.py), the builder the flow computed the identity from, and runs it with the
+catalog's `run_stage`, as the in-process path does. Rank 0 reports metrics as event lines on stdout
+and writes the outcome to the spec's `outcome_path`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -19,53 +20,48 @@ import fsspec
 
 from rlflow.engine.backend import dist
 from rlflow.engine.backend.deepspeed_import import preload_deepspeed
-from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.backend.factory import make_runtime
-from rlflow.engine.stages.breaker import PPOGuards, StageOverrides
-from rlflow.engine.storage.checkpoint import CheckpointStore, model_location
+from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.config.schema import Config, build_config
-from rlflow.engine.stages.dpo import DPOStageInputs, run_dpo_stage
-from rlflow.engine.config.secrets import merge_trees
-from rlflow.engine.telemetry.metrics import EventSink, NullSink
-from rlflow.engine.storage.mirror import make_mirror
-from rlflow.engine.stages.rl.experience import Objective
-from rlflow.engine.stages.rl.stage import PPOInputs, RLStageInputs, run_ppo_stage
-from rlflow.engine.stages.reward_model import RewardModelStageInputs, run_reward_model_stage
-from rlflow.engine.rewards.user_functions import load_bound_function
-from rlflow.engine.stages.sft import SFTStageInputs, run_sft_stage
-from rlflow.engine.stages.context import Record, StageContext, StageOutcome
-from rlflow.engine.stages.lifecycle import set_threads
+from rlflow.engine.config.secrets import SECRETS_ENV, merge_trees
 from rlflow.engine.errors import NonFiniteUpdates, RewardSourceError, RlflowError, StagePreempted
-from rlflow.engine.stages.context import GuardLimits
-from rlflow.engine.config.secrets import SECRETS_ENV
+from rlflow.engine.stages.catalog import run_stage, stage_inputs, stage_kind
+from rlflow.engine.stages.context import GuardLimits, Record, StageContext, StageOverrides
+from rlflow.engine.stages.inputs import StageInputs, located
+from rlflow.engine.stages.lifecycle import set_threads
+from rlflow.engine.storage.checkpoint import CheckpointStore
+from rlflow.engine.storage.mirror import make_mirror
+from rlflow.engine.telemetry.metrics import EventSink, MetricsSink, NullSink
+from rlflow.engine.telemetry.progress import StopRequest
 
 # Errors a rerun would meet again (bad input, deterministic divergence): never retried.
 NOT_RETRIED = (RlflowError, NonFiniteUpdates, RewardSourceError)
-TRAINING_STAGES = ("sft", "rm", "ppo", "dpo")
 
 
 class StageCall(Record):
-    """One training stage to run: what the task hands the stage, in this process or through the
-    spec file every rank of a distributed job reads (one typed JSON round trip)."""
+    """One stage to run: what the task hands the stage, in this process or through the spec file
+    every rank of a distributed job reads (one typed JSON round trip)."""
 
-    stage: str  # one of TRAINING_STAGES
+    stage: str  # a key of engine/stages/catalog.py STAGES
     store_url: str  # the stage's checkpoint prefix
     round_index: int
     identity: str
     identity_tree: dict[str, Any]
-    init_path: str = ""  # sft, rm, dpo: the model to start from (a directory or a committed step URI)
-    extra_preferences: tuple[str, ...] = ()  # rm, dpo: online-labelled pairs
-    eval_preferences: tuple[str, ...] = ()  # rm: held-out online-labelled pairs (label.eval_fraction)
-    reference_path: str = ""  # dpo: the frozen reference policy (a directory or a committed step URI)
-    ppo_inputs: PPOInputs | None = None  # ppo: the models it starts from (committed step URIs allowed)
-    rollout_devices: str | None = None  # ppo: CUDA_VISIBLE_DEVICES of the rollout worker (placement.rollout)
-    overrides: StageOverrides = StageOverrides()  # ppo: an operator's, after a breach
+    upstream: dict[str, Any]  # the stage's upstream record (catalog STAGES[stage].upstream) as JSON
+    rollout_devices: str | None = None  # rl: CUDA_VISIBLE_DEVICES of the rollout worker (placement.rollout)
+    overrides: StageOverrides = StageOverrides()  # rl: an operator's, after a breach
 
 
-def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | None = None) -> StageContext:
-    """The stage's context; `runtime` defaults to the configured backend's. Every rank gets the
-    mirror (checkpoint.mirror) for resuming; only rank 0 ever starts its copying thread."""
+def make_context(
+    config: Config, call: StageCall, sink: MetricsSink, runtime: Runtime | None = None, stop: StopRequest | None = None
+) -> StageContext:
+    """How the stage runs, as opposed to what it computes (its inputs): where it writes, its runtime
+    (`runtime` defaults to the configured backend's for a training stage, plain torch otherwise),
+    its checkpoint cadence and guard limits. Every rank gets the mirror (checkpoint.mirror) for
+    resuming; only rank 0 ever starts its copying thread."""
     store = CheckpointStore(call.store_url, config.run.storage_options)
+    if runtime is None:
+        runtime = make_runtime(config.engine) if stage_kind(call.stage).trains else Runtime(config.engine)
     return StageContext(
         store=store,
         stage=call.stage,
@@ -77,7 +73,7 @@ def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | 
         keep_last=config.checkpoint.keep_last,
         consolidate_every=config.checkpoint.consolidate_every,
         sink=sink,
-        runtime=runtime or make_runtime(config.engine),
+        runtime=runtime,
         allow_config_change=config.resume.allow_config_change,
         limits=GuardLimits(
             hang_timeout_s=config.stage.policy(call.stage).hang_timeout_s,
@@ -85,92 +81,16 @@ def make_context(config: Config, call: StageCall, sink: Any, runtime: Runtime | 
             max_nonfinite_skips=config.safety.max_nonfinite_skips,
         ),
         mirror=make_mirror(store, config.checkpoint, config.run.name, call.round_index, call.stage),
-    )
-
-
-def run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageOutcome:
-    """Run a training stage; model inputs given as checkpoint step URIs are fetched to this
-    machine's cache first (every node of a job resolves its own)."""
-    wait_s = 0.0  # a failed stage leaves no copying thread behind (Prefect processes live long)
-    try:
-        outcome = _run_stage_call(ctx, config, call)
-        wait_s = ctx.mirror.finish_wait_s if ctx.mirror is not None else 0.0  # e.g. paused for an operator
-        return outcome
-    except StagePreempted:
-        wait_s = config.checkpoint.preempt_grace_s / 2  # the newest step is the one a lost machine needs copied
-        raise
-    finally:
-        if ctx.mirror is not None:
-            ctx.mirror.close(wait_s=wait_s)
-
-
-def _run_stage_call(ctx: StageContext, config: Config, call: StageCall) -> StageOutcome:
-    if call.stage == "sft":
-        return run_sft_stage(ctx, _sft_inputs(config, call))
-    if call.stage == "rm":
-        return run_reward_model_stage(ctx, _reward_model_inputs(config, call))
-    if call.stage == "dpo":
-        return run_dpo_stage(ctx, _dpo_inputs(config, call))
-    if call.stage == "ppo":
-        return run_ppo_stage(ctx, _rl_inputs(config, call))
-    raise ValueError(f"unknown training stage {call.stage!r}; valid: {', '.join(TRAINING_STAGES)}")
-
-
-def _sft_inputs(config: Config, call: StageCall) -> SFTStageInputs:
-    init = model_location(call.init_path, config.run.storage_options)
-    return SFTStageInputs(init_path=init, model=config.model, sft=config.sft, data=config.data)
-
-
-def _reward_model_inputs(config: Config, call: StageCall) -> RewardModelStageInputs:
-    init = model_location(call.init_path, config.run.storage_options)
-    return RewardModelStageInputs(
-        init_path=init,
-        model=config.model,
-        rm=config.rm,
-        data=config.data,
-        extra_preferences=call.extra_preferences,
-        eval_preferences=call.eval_preferences,
-    )
-
-
-def _dpo_inputs(config: Config, call: StageCall) -> DPOStageInputs:
-    so = config.run.storage_options
-    init, reference = model_location(call.init_path, so), model_location(call.reference_path, so)
-    return DPOStageInputs(
-        init_path=init,
-        reference_path=reference,
-        model=config.model,
-        dpo=config.dpo,
-        data=config.data,
-        preference_files=call.extra_preferences,
-        include_offline=config.dpo.include_offline,
-    )
-
-
-def _rl_inputs(config: Config, call: StageCall) -> RLStageInputs:
-    so, given = config.run.storage_options, call.ppo_inputs
-    models = ("policy", "reference", "sft", "reward_model", "critic")
-    located = {k: model_location(getattr(given, k), so) for k in models if getattr(given, k) is not None}
-    paths = dataclasses.replace(given, **located)
-    gold = load_bound_function(config.gold, "gold.fn")
-    return RLStageInputs(
-        paths=paths,
-        model=config.model,
-        ppo=config.ppo,
-        kl=config.kl,
-        sampling=config.sampling,
-        eval=config.eval,
-        data=config.data,
-        checkpoint=config.checkpoint,
-        gold=gold,
-        rollout=config.rollout,
+        stop=stop,
+        overrides=call.overrides,
         rollout_devices=call.rollout_devices,
-        guards=PPOGuards.of(config.kl, config.reward, call.overrides),
-        objective=Objective.of(config),
-        reward=config.reward,
-        env=config.env,
-        hacking=config.hacking,
     )
+
+
+def call_inputs(config: Config, call: StageCall) -> StageInputs:
+    """The stage's inputs, from its own builder; upstream models given as checkpoint step URIs are
+    fetched to this machine's cache first (every node of a job resolves its own)."""
+    return located(stage_inputs(config, call.stage, call.upstream), config.run.storage_options)
 
 
 def write_spec(
@@ -198,7 +118,7 @@ def main(spec_url: str) -> None:
     preload_deepspeed()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # the process group does not exist yet
     ctx = make_context(config, call, EventSink() if main_rank else NullSink())
-    outcome = run_stage_call(ctx, config, call)
+    outcome = run_stage(ctx, call_inputs(config, call))
     if dist.is_main():  # read by the task only after every rank exited cleanly
         with fsspec.open(spec["outcome_path"], "w", **storage_options) as f:
             f.write(outcome.model_dump_json())
@@ -206,8 +126,7 @@ def main(spec_url: str) -> None:
 
 
 if __name__ == "__main__":
-    from rlflow.engine.backend.supervise import record_failures
-    from rlflow.engine.backend.supervise import line_buffered_output
+    from rlflow.engine.backend.supervise import line_buffered_output, record_failures
 
     line_buffered_output()
     with record_failures():

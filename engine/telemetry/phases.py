@@ -1,10 +1,10 @@
 """Wall-clock phases of one step (timing_s/gen, /ref, /update_actor, ...), collected without a
 dict passed down through every function of the step.
 
-`collect_phases()` opens one step's collection; `timed(key, fn)` anywhere below it, in the same
-thread, adds fn's seconds to that key (a phase repeats per chunk and micro-batch, so its seconds
-add up); `add_phases` adds figures measured elsewhere (the rollout worker's). With no collection
-open, `timed` only calls fn.
+`collect_phases()` opens one step's collection; `timed(key, fn)` (or `with phase(key):`) anywhere
+below it, in the same thread, adds fn's (the block's) seconds to that key (a phase repeats per chunk
+and micro-batch, so its seconds add up); `add_phases` adds figures measured elsewhere (the rollout
+worker's). With no collection open, `timed` only calls fn.
 """
 
 from __future__ import annotations
@@ -29,6 +29,16 @@ def collect_phases() -> Iterator[dict[str, float]]:
         yield phases
     finally:
         _OPEN.reset(token)
+
+
+@contextmanager
+def phase(key: str) -> Iterator[None]:
+    """The block's wall seconds added to the open collection's `key` (even when it raises)."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        add_phases({key: time.monotonic() - started})
 
 
 def timed(key: str, fn: Callable[[], T]) -> T:

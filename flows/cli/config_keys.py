@@ -23,7 +23,7 @@ HEADER = f"""<!-- Generated from the schema (engine/config/): edit a field's doc
 
 A run's configuration is a YAML file of the sections below (the demo's: `configs/demo.yaml`). Any key
 can be overridden on the command line as `key.path=value`, the value read as YAML:
-`rlflow run configs/demo.yaml ppo.steps=20 "sft.rounds=[0, 2]" kl.stop_above=null`. Every section rejects
+`rlflow run configs/demo.yaml rl.steps=20 "sft.rounds=[0, 2]" kl.stop_above=null`. Every section rejects
 unknown keys (the error names the file and line and lists the valid keys), so a typo never falls back
 to a default; `rlflow run CONFIG --dry-run` prints the resolved config and the plan.
 
@@ -32,6 +32,12 @@ in a terminal. Defaults are shown as YAML writes them, *required* where there is
 `{{fn, kwargs}}` is a function reference (`fn: package.module:function` and the keyword arguments it
 is called with); a `mapping` holds the keys listed after it (`model.lora.r`), a `list[mapping]` is a
 list of such mappings (`reward.sources[].name`).
+
+A stage's identity (docs/checkpoints.md) is the hash of everything that stage reads; a key marked
+**Not in identity** never changes one (it says how a stage runs or reports, not what it computes), a
+key marked **Wiring** enters only through the upstream input it selects, and a key marked **By content**
+enters by what it names (a file's bytes, a model folder's fingerprint, a function's source file), not
+by the name itself.
 
 Keys marked **Secret** hold credentials: their values are redacted (`***`) in everything stored or
 shown (MLflow params, Prefect parameters, checkpoint metadata, `--dry-run`) and reach the stage
@@ -59,6 +65,7 @@ class KeyRow:
     constraints: str  # e.g. ">= 1, <= 1000"
     description: str
     secret: bool
+    identity: str = ""  # how it enters a stage's identity, when not plainly by value (engine/config/base.py)
 
 
 def _nested(annotation: Any) -> tuple[type[BaseModel] | None, str]:
@@ -129,8 +136,29 @@ def constraints_text(info: FieldInfo) -> str:
     return ", ".join(bounds)
 
 
+CONTENT = {
+    "file": "the file's bytes",
+    "model": "the model folder's fingerprint",
+    "function": "the source file of its module",
+    "kwargs": "values naming an existing local file count by that file's bytes",
+}
+
+
+def identity_text(info: FieldInfo) -> str:
+    from rlflow.engine.config.base import identity_mark
+
+    mark = identity_mark(info)
+    if mark is None:
+        return ""
+    if mark.kind == "neutral":
+        return f"Not in identity: {mark.why}."
+    if mark.kind == "wiring":
+        return f"Wiring: {mark.why}."
+    return f"By content: {CONTENT[mark.kind]}."
+
+
 def key_rows(prefix: str = "") -> list[KeyRow]:
-    """One row per leaf key of Config (only those under `prefix`, e.g. "ppo" or "kl", if given)."""
+    """One row per leaf key of Config (only those under `prefix`, e.g. "rl" or "kl", if given)."""
     from rlflow.engine.config.secrets import is_secret_path
 
     rows = []
@@ -139,7 +167,7 @@ def key_rows(prefix: str = "") -> list[KeyRow]:
             description = " ".join((info.description or "").split())
             secret = is_secret_path(key.replace("[]", "").split("."))
             rows.append(KeyRow(key, type_text(info.annotation), default_text(info), constraints_text(info),
-                               description, secret))
+                               description, secret, identity_text(info)))
     return rows
 
 
@@ -172,6 +200,9 @@ def render_markdown() -> str:
             kind = _code(r.type) + (f" ({r.constraints})" if r.constraints else "")
             default = "*required*" if r.default == "required" else _code(r.default)
             text = _prose(r.description) + (" **Secret.**" if r.secret else "")
+            if r.identity:
+                label, _, why = r.identity.partition(": ")
+                text += f" **{label}:** {_prose(why)}"
             out.append(f"| `{r.key}` | {kind} | {default} | {text} |")
         out.append("")
     return "\n".join(out)
@@ -184,6 +215,7 @@ def render_text(prefix: str = "") -> str:
         bounds = f" ({r.constraints})" if r.constraints else ""
         lines.append(f"{r.key}: {r.type}{bounds} = {r.default}")
         text = r.description + (" Secret: redacted wherever it is stored or shown." if r.secret else "")
+        text += f" {r.identity}" if r.identity else ""
         lines.append(textwrap.fill(text, 100, initial_indent="    ", subsequent_indent="    "))
     return "\n".join(lines)
 
@@ -211,6 +243,6 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("config", help="the config reference: every key's type, default and meaning")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--help-keys", nargs="?", const="", metavar="PREFIX",
-                      help="list every key (only those under PREFIX if given, e.g. ppo or kl)")
+                      help="list every key (only those under PREFIX if given, e.g. rl or kl)")
     what.add_argument("--markdown", action="store_true", help="print the reference page (docs/config.md)")
     p.set_defaults(handler=command_config)

@@ -17,7 +17,7 @@ from typing import Any
 from rlflow.engine.config.schema import Config, apply_override, build_config, load_config
 from rlflow.flows.compare import PRICES
 from rlflow.engine.errors import ConfigError, RlflowError
-from rlflow.engine.estimate.cost import MEMORY_MARGIN, Estimate, Recommendation, estimate_ppo, recommend
+from rlflow.engine.estimate.cost import MEMORY_MARGIN, Estimate, Recommendation, estimate_rl, recommend
 from rlflow.engine.estimate.hardware import CPU_DEVICE, DeviceSpec, device_spec, load_price_book, measure_cpu
 from rlflow.engine.estimate.memory import GIB
 from rlflow.engine.estimate.model_shape import LoraShape, ModelShape, resolve_model
@@ -126,7 +126,7 @@ def preference_pairs(config: Config, pairs: int | None) -> tuple[int, int]:
 
 
 def lora_shape(config: Config, stage: str) -> LoraShape | None:
-    """model.lora as the estimate's LoraShape when it applies to `stage` ("ppo" or "dpo")."""
+    """model.lora as the estimate's LoraShape when it applies to `stage` ("rl" or "dpo")."""
     lora = config.model.lora_for(stage)
     if lora is None:
         return None
@@ -185,13 +185,13 @@ def build_inputs(
     engine, rollout_gpus = rollout_setup(config, args.rollout, args.rollout_gpus)
     workload = Workload(
         **model_shapes(config, args.model, args.reward_model),
-        rollout_batch=config.ppo.rollout_batch,
+        rollout_batch=config.rl.rollout_batch,
         prompt_tokens=config.data.max_prompt_tokens,
         # An episode's response is every id after its prompt: the model's turns and the observations.
         response_tokens=config.sampling.max_new_tokens if config.env is None else config.env.max_total_tokens,
-        mini_batch=config.ppo.mini_batch,
-        epochs=config.ppo.epochs,
-        steps=config.ppo.steps,
+        mini_batch=config.rl.mini_batch,
+        epochs=config.rl.epochs,
+        steps=config.rl.steps,
         generate_batch=config.rollout.generate_batch,
         precision=precisions.for_stage(strategy.zero_stage),
         micro_batch_size=eng.micro_batch_size,
@@ -202,8 +202,8 @@ def build_inputs(
         algorithm=config.algorithm.name,
         samples_per_prompt=config.rollout.n,
         kl_in_loss=config.kl.placed_in_loss(config.algorithm.name),
-        lora=lora_shape(config, "ppo"),
-        reference_shared=lora_shape(config, "ppo") is not None and config.kl.reference == "round_start",
+        lora=lora_shape(config, "rl"),
+        reference_shared=lora_shape(config, "rl") is not None and config.kl.reference == "round_start",
     )
     problem = workload.rank_shares_problem(strategy.n_gpus)
     if problem:
@@ -229,7 +229,7 @@ def estimate_config(
     args = argparse.Namespace(**flags, gpu=device_name, reward_model=reward_model, prices=str(PRICES))
     device, currency = resolve_device(args, config)
     workload, strategy, _ = build_inputs(config, args, device)
-    return estimate_ppo(workload, strategy, device, currency), currency
+    return estimate_rl(workload, strategy, device, currency), currency
 
 
 def command_estimate(args: argparse.Namespace) -> int:
@@ -238,7 +238,7 @@ def command_estimate(args: argparse.Namespace) -> int:
     config = read_config(args.config, args.overrides)
     device, currency = resolve_device(args, config)
     workload, strategy, precisions = build_inputs(config, args, device)
-    configured = estimate_ppo(workload, strategy, device, currency)
+    configured = estimate_rl(workload, strategy, device, currency)
     max_gpus = args.max_gpus or max(8, strategy.n_gpus)
     advice = recommend(workload, device, currency, max_gpus, strategy, precisions)
     if args.json:
@@ -447,7 +447,7 @@ def add_parser(sub: Any) -> None:
         "estimate", help="memory, time and cost of a round's RL or DPO stage before it starts, and a plan that fits"
     )
     p.add_argument("config", nargs="?", help="YAML config, e.g. configs/demo.yaml (default: the built-in defaults)")
-    p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. ppo.rollout_batch=512")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. rl.rollout_batch=512")
     p.add_argument("--model", help="policy: a local Hugging Face folder or a size like 7B, 0.5B (default: model.path)")
     p.add_argument("--reward-model", help="reward model (and critic, with ppo.critic_init=rm): folder or size")
     p.add_argument("--gpu", help="device type of the prices file (default: resources.gpu_type, else cpu)")

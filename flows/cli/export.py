@@ -10,6 +10,7 @@ from typing import Any
 from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.errors import ConfigError
 from rlflow.flows.plan import load_run_config, read_run_file
+from rlflow.flows.wiring import final_stage
 
 EVAL_COLUMNS = ("round", "gold_score_before", "gold_score_after", "kl", "rm_accuracy", "response_length")
 
@@ -34,7 +35,7 @@ def command_export(args: argparse.Namespace) -> int:
 
     config = load_run_config(args.root, args.run)
     store = CheckpointStore(
-        stage_prefix(config.run.root, config.run.name, args.round, "ppo"), config.run.storage_options
+        stage_prefix(config.run.root, config.run.name, args.round, final_stage(config)), config.run.storage_options
     )
     final = store.final()
     if final is None:
@@ -46,7 +47,7 @@ def command_export(args: argparse.Namespace) -> int:
     card = ModelCard(
         run_name=config.run.name,
         round_index=args.round,
-        stage="ppo",
+        stage=final_stage(config),
         step_uri=store.step_url(final["step"]),
         base_model=config.model.path,
         lineage=lineage_of(config, args.round),

@@ -23,15 +23,16 @@ from rlflow.engine.storage.checkpoint import CheckpointStore, model_location, st
 from rlflow.engine.config.schema import Config
 from rlflow.engine.errors import ConfigError, DataError
 from rlflow.flows.plan import load_run_config
+from rlflow.flows.wiring import final_stage
 
 COLUMNS = ("id", "run", "round", "prompt", "answer_a", "answer_b", "choice")
 CHOICES = {"a": "A", "1": "A", "b": "B", "2": "B", "tie": None, "": None}
 
 
 def round_policy(config: Config, round_index: int) -> str:
-    """The local model directory of round `round_index`'s final (PPO) policy."""
+    """The local model directory of round `round_index`'s final (RL or DPO) policy."""
     store = CheckpointStore(
-        stage_prefix(config.run.root, config.run.name, round_index, "ppo"), config.run.storage_options
+        stage_prefix(config.run.root, config.run.name, round_index, final_stage(config)), config.run.storage_options
     )
     final = store.final()
     if final is None:
@@ -48,14 +49,15 @@ def pair_id(prompt: Any, a: str, b: str) -> str:
 
 def export_candidates(root: str, run_name: str, round_index: int, out_dir: Path, n: int | None) -> list[Path]:
     """Write `<run>-round<N>-candidates.jsonl` and `.csv` to `out_dir`; returns both paths."""
-    from rlflow.engine.stages.label_eval import sample_answer_pairs
+    from rlflow.engine.stages.inputs import ModelLoading
+    from rlflow.engine.stages.label import PromptData, sample_answer_pairs
 
     config = load_run_config(root, run_name)
     triples = sample_answer_pairs(
         round_policy(config, round_index),
-        config.model,
-        config.data,
-        config.sampling.params(),
+        ModelLoading.for_stage(config.model, "label"),
+        PromptData.of(config.data),
+        config.sampling,
         n or config.label.prompts_per_round,
         config.run.seed,
         round_index,

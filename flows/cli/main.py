@@ -51,10 +51,10 @@ def command_run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if config.run.name is None:
         config = config.model_copy(update={"run": config.run.model_copy(update={"name": fresh_run_name(args.config)})})
+    check_inputs(config, writes=not args.dry_run)  # a dry run refuses what the run would refuse, and writes nothing
     if args.dry_run:
         print(dry_run_text(config))
         return 0
-    check_inputs(config)
     public, secret = split_secrets(config.model_dump(mode="json"))
     print(f"rlflow: run '{config.run.name}' -> {config.run.root.rstrip('/')}/{config.run.name}", flush=True)
     print(f"rlflow: {reporting_to(config)}", flush=True)
@@ -91,27 +91,29 @@ def reporting_to(config: Any) -> str:
 
 
 def dry_run_text(config: Any) -> str:
-    """The resolved config (secrets redacted) and the plan of rounds and stages; no model loads."""
+    """The resolved config (secrets redacted) and what the run will do with each stage; no model loads."""
     from rlflow.engine.config.schema import to_yaml
-    from rlflow.flows.plan import format_plan, plan_stages, with_progress
+    from rlflow.flows.plan import format_plan, plan_run
 
-    planned = with_progress(plan_stages(config), config.run.storage_options)
     return (
         f"# resolved config of run '{config.run.name}' (secrets shown as ***)\n{to_yaml(config)}\n"
-        f"# plan: {config.run.rounds} round(s); already committed stages are continued, finished ones skipped\n"
-        f"{format_plan(planned)}\n"
+        f"# plan: {config.run.rounds} round(s): each stage done (skipped), changed (the keys that differ), at a"
+        " committed step (continued) or not started\n"
+        f"{format_plan(plan_run(config))}\n"
         f"# {reporting_to(config)}"
     )
 
 
 def command_status(args: argparse.Namespace) -> int:
     """Where a run stands: each planned stage's state, the last logged step, the round summary."""
-    from rlflow.flows.plan import format_plan, last_events, load_run_config, plan_stages, read_run_file, with_progress
+    from rlflow.flows.plan import format_plan, last_events, load_run_config, plan_run, read_run_file
+    from rlflow.flows.preflight import check_run_format
     from rlflow.flows.rlhf import format_table
 
+    check_run_format(args.root, args.run, {})  # an rlflow 0.1 run's config.yaml has keys this rlflow moved
     config = load_run_config(args.root, args.run)
     print(f"run '{args.run}' ({args.root.rstrip('/')}/{args.run}):")
-    print(format_plan(with_progress(plan_stages(config), config.run.storage_options)))
+    print(format_plan(plan_run(config)))
     for event in last_events(args.root, args.run):
         print(f"last logged step: round {event['round']} {event['stage']} step {event['step']} at {event['time']}")
     summary = read_run_file(args.root, args.run, "summary.json", {})
@@ -174,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run, or continue (same run.name), the pipeline of a config")
     run.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
-    run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. ppo.steps=20 run.name=exp1")
+    run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. rl.steps=20 run.name=exp1")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan; run nothing")
     run.add_argument("--quiet", action="store_true", help="one log line per logged step instead of progress bars")
     run.set_defaults(handler=command_run)

@@ -20,13 +20,16 @@ GIB = 2**30
 
 
 def probe_inputs(config: Any, reward_model: str | None) -> Any:
-    """The RL stage's starting models for a probe: the config's policy as actor, reference and SFT
-    policy. The round's reward model, only when reward.sources has a model without a path: from
-    --reward-model, else rm.init when it names a folder, else a scalar head on the policy (zero:
-    the reward trend then says nothing); sources with a path load their own. The critic, unless the
-    algorithm is critic-free: the reward model (ppo.critic_init rm) or the policy."""
+    """The RL stage's inputs for a probe (the stage's own builder, engine/stages/catalog.py), from
+    these starting models: the config's policy as actor, reference and SFT policy. The round's
+    reward model, only when reward.sources has a model without a path: from --reward-model, else
+    rm.init when it names a folder, else a scalar head on the policy (zero: the reward trend then
+    says nothing); sources with a path load their own. The critic, unless the algorithm is
+    critic-free: the reward model (ppo.critic_init rm) or the policy."""
     from rlflow.engine.models.loading import resolve_model_path
-    from rlflow.engine.stages.rl.stage import PPOInputs
+    from rlflow.engine.stages.catalog import stage_inputs
+    from rlflow.engine.stages.inputs import ModelInput, RewardModelInput
+    from rlflow.engine.stages.rl.inputs import RLUpstream
 
     policy = resolve_model_path(config.model.path)
     reward, norm = None, None
@@ -42,7 +45,13 @@ def probe_inputs(config: Any, reward_model: str | None) -> Any:
     critic = None
     if not config.algorithm.critic_free:
         critic = reward if config.ppo.critic_init == "rm" and reward is not None else policy
-    return PPOInputs(policy, policy, policy, reward, norm, critic)
+    model = lambda path: ModelInput(uri=path, identity="probe")  # noqa: E731  # a probe has no identity
+    upstream = RLUpstream(
+        policy=model(policy), reference=model(policy), sft=model(policy),
+        reward_model=None if reward is None else RewardModelInput(uri=reward, identity="probe", score_norm=norm),
+        critic=None if critic is None else model(critic),
+    )
+    return stage_inputs(config, "rl", upstream)
 
 
 def check_probe_config(config: Any, steps: int) -> None:
@@ -75,9 +84,9 @@ def estimate_for_probe(config: Any, report: Any, device: str | None, reward_mode
 
 def extrapolate(config: Any, step_s: float, price_per_hour: float, gpus: int) -> dict[str, float]:
     """Hours and cost of every round's RL steps at the measured mean step time."""
-    steps = config.ppo.steps * config.run.rounds
+    steps = config.rl.steps * config.run.rounds
     hours = step_s * steps / 3600
-    return {"ppo_steps": steps, "hours": hours, "gpu_hours": hours * gpus, "cost": hours * gpus * price_per_hour}
+    return {"rl_steps": steps, "hours": hours, "gpu_hours": hours * gpus, "cost": hours * gpus * price_per_hour}
 
 
 def report_lines(report: Any, estimate: Any, currency: str, extra: dict[str, float]) -> list[str]:
@@ -101,12 +110,16 @@ def report_lines(report: Any, estimate: Any, currency: str, extra: dict[str, flo
         f"trend per step: reward {trends['reward_per_step']:+.4f}, KL {trends['kl_per_step']:+.4f}"
         f" (reward {report.steps[0].reward:.3f} -> {report.steps[-1].reward:.3f},"
         f" KL {report.steps[0].kl:.4f} -> {report.steps[-1].kl:.4f})",
-        f"full run ({extra['ppo_steps']} {estimate.workload.algorithm_name} steps = ppo.steps x run.rounds;"
+        f"full run ({extra['rl_steps']} {estimate.workload.algorithm_name} steps = rl.steps x run.rounds;"
         " SFT, reward model and evaluations"
         f" not included): {extra['hours']:.3f} h, {extra['gpu_hours']:.3f} device-hours,"
         f" {extra['cost']:.4g} {currency}",
         f"(loading took {report.load_seconds:.1f} s; nothing was written)",
     ]
+    if report.episodes:
+        turns = [s.turns for s in report.steps if s.turns is not None]
+        lines.insert(-1, f"episodes: every prompt a multi-turn episode, {sum(turns) / len(turns):.2f} model turns"
+                         " on average")
     return lines
 
 
@@ -141,11 +154,14 @@ def log_probe(config: Any, name: str, report: Any, estimate: Any, extra: dict[st
 
 
 def probed_algorithm(config: Any) -> str:
-    """e.g. "PPO", "GRPO (4 samples per prompt, no critic)": what the probe runs."""
+    """e.g. "PPO", "GRPO (4 samples per prompt, no critic, multi-turn episodes of ToolEnv)": what the
+    probe runs."""
     from rlflow.engine.estimate.workload import RL_ALGORITHMS
 
     name, n = RL_ALGORITHMS[config.algorithm.name], config.rollout.n
     notes = ([f"{n} samples per prompt"] if n > 1 else []) + (["no critic"] if config.algorithm.critic_free else [])
+    if config.env is not None:
+        notes.append(f"multi-turn episodes of {config.env.fn.rsplit(':', 1)[-1]} (up to {config.env.max_turns} turns)")
     return name + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -167,7 +183,7 @@ def command_probe(args: argparse.Namespace) -> int:
         print(f"  step {step.step}: {step.seconds:.3f} s, reward {step.reward:.3f}, KL {step.kl:.4f}", flush=True)
 
     try:
-        report = run_probe(inputs, config, runtime, args.steps, show)
+        report = run_probe(inputs, runtime, args.steps, show)
     finally:
         runtime.close()
     estimate, currency = estimate_for_probe(config, report, args.gpu, args.reward_model)

@@ -73,3 +73,10 @@ class CountingEnv:
             return EnvStep(done=True)
         return EnvStep(observation=[{"role": "tool", "content": f"result {self.calls_before}"}],
                        info={"tool_calls": 1.0})
+
+
+class LongerScriptedEnv(ScriptedEnv):
+    """ScriptedEnv with one more turn by default: another environment class taking the same kwargs."""
+
+    def __init__(self, turns: int = 3, delay_s: float = 0.0):
+        super().__init__(turns, delay_s)

@@ -50,3 +50,32 @@ def valid_until_marker(prompt, response, marker="", **fields):
     """A 'valid rule' that holds until the file `marker` exists (a test's sink creates it at a chosen
     step): every answer valid before, none after, a scripted collapse of the valid share."""
     return 0.0 if os.path.exists(marker) else 1.0
+
+
+def prefer_longer(prompt, a, b, rng, **fields):
+    """A labeller: the longer answer; a tie when both are as long."""
+    return None if len(a) == len(b) else 0 if len(a) > len(b) else 1
+
+
+def response_length(prompt, response, **fields):
+    """A gold score: the answer's length in characters."""
+    return float(len(response))
+
+
+def never_called(prompt, response, **fields):
+    """A gold score that must not be called (RL steps never evaluate)."""
+    raise AssertionError("the gold function must not be called by an RL step")
+
+
+def zero(prompt, response, **fields):
+    return 0.0
+
+
+def longer_noting_rows(prompt, a, b, rng, log, **fields):
+    """A labeller that prefers the longer answer (a tie when equal) and appends each call's prompt and
+    row `answer` to the JSONL file `log`."""
+    import json
+
+    with open(log, "a") as f:
+        f.write(json.dumps({"prompt": prompt, "answer": fields["answer"]}) + "\n")
+    return None if a == b else 0 if len(a) >= len(b) else 1

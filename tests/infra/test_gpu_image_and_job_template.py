@@ -196,7 +196,7 @@ def test_worker_renders_a_deployments_overrides(prefect_server):
         {
             "gpu_count": 8,
             "cpu_limit": "64",
-            "image": "registry.example.com/rlflow-gpu:0.1.0",
+            "image": "registry.example.com/rlflow-gpu:0.2.0",
             "prefect_api_url": "http://prefect-server.rlflow:4200/api",
             "env": {"NCCL_DEBUG": "INFO"},
             "namespace": "research",
@@ -205,7 +205,7 @@ def test_worker_renders_a_deployments_overrides(prefect_server):
     manifest = config["job_manifest"]
     container = manifest["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "64", "memory": "64Gi"}
-    assert container["image"] == "registry.example.com/rlflow-gpu:0.1.0"
+    assert container["image"] == "registry.example.com/rlflow-gpu:0.2.0"
     assert manifest["metadata"]["namespace"] == config["namespace"] == "research"
     assert config["env"] == {
         "PREFECT_API_URL": "http://prefect-server.rlflow:4200/api",

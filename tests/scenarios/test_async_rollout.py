@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from conftest import small_config_tree
-from helpers.stage_ctx import make_call
+from helpers.stage_ctx import rl_call
 from helpers.stage_worker import finish_worker, start_worker
 from rlflow.engine.rollout.streaming import from_ranges
 from rlflow.engine.stages.rl.stage import ROLLOUT_BUFFER_FILE
@@ -35,7 +35,7 @@ def tree(assets: Path, root: Path) -> dict:
     return small_config_tree(
         assets,
         root,
-        ppo={"steps": STEPS, "log_every": 1, "rollout_batch": BATCH, "mini_batch": BATCH},
+        rl={"steps": STEPS, "log_every": 1, "rollout_batch": BATCH, "mini_batch": BATCH},
         rollout={
             "mode": "server",
             "async": True,
@@ -52,8 +52,7 @@ def tree(assets: Path, root: Path) -> dict:
 
 def call(root: Path, trained):
     sft_dir, rm_dir, norm = trained
-    paths = {"policy": sft_dir, "reference": sft_dir, "sft": sft_dir, "reward_model": rm_dir}
-    return make_call(root, "ppo", ppo_inputs=paths | {"score_norm": list(norm), "critic": rm_dir})
+    return rl_call(root, sft_dir, rm_dir, norm, critic=rm_dir)
 
 
 def rollout_worker_pid(trainer_pid: int) -> int | None:

@@ -61,7 +61,7 @@ def kl_result(step=3, reason=BREACH_KL, uri=""):
     message = f"rollout KL 0.42 stayed above kl.pause_above=0.1; step {step}"
     breach = Breach(reason=reason, step=step, metrics=metrics, message=message)
     return StageResult(
-        stage="ppo", round_index=0, step=step, checkpoint_uri=uri, manifest_sha256="", metrics={}, breach=breach
+        stage="rl", round_index=0, step=step, checkpoint_uri=uri, manifest_sha256="", metrics={}, breach=breach
     )
 
 
@@ -78,7 +78,7 @@ def test_alert_posts_the_breach_as_json_without_secrets(hook, tmp_path, caplog):
     assert json.loads(body) == {
         "run": "t",
         "round": 0,
-        "stage": "ppo",
+        "stage": "rl",
         "step": 3,
         "reason": "kl",
         "metrics": {"actor/kl": 0.42, "actor/kl_coef": 0.05, "safety/max_kl": 0.1, "safety/kl_patience": 3.0},
@@ -101,7 +101,7 @@ def test_temporary_server_fails_with_the_exact_continue_command(tmp_path, monkey
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
         assert not flow_breach.temporary_server()
     monkeypatch.setattr(flow_breach, "temporary_server", lambda: True)
-    monkeypatch.setenv(COMMAND_ENV, shown_command("c.yaml", ["ppo.steps=3", "run.storage_options.key=S3CR3T"]))
+    monkeypatch.setenv(COMMAND_ENV, shown_command("c.yaml", ["rl.steps=3", "run.storage_options.key=S3CR3T"]))
     never = lambda *args: pytest.fail("nothing may be asked or run again on a temporary server")  # noqa: E731
     with pytest.raises(RunHalted) as raised:
         settle_breaches(config_with(tmp_path), kl_result(), never, never)
@@ -109,16 +109,16 @@ def test_temporary_server_fails_with_the_exact_continue_command(tmp_path, monkey
     assert "\n" not in message and "S3CR3T" not in message
     # A redacted credential is not part of a command that would set it to "***": it is named.
     assert message.endswith(
-        "continue with: rlflow run c.yaml ppo.steps=3 run.name=t kl.pause_above=0.84"
+        "continue with: rlflow run c.yaml rl.steps=3 run.name=t kl.pause_above=0.84"
         " (and your values of run.storage_options.key again)"
     )
     with pytest.raises(RunHalted) as raised:  # a reward failure: the same command, once the source works
         settle_breaches(config_with(tmp_path), kl_result(reason=BREACH_REWARD), never, never)
-    assert str(raised.value).endswith("ppo.steps=3 run.name=t (and your values of run.storage_options.key again)")
+    assert str(raised.value).endswith("rl.steps=3 run.name=t (and your values of run.storage_options.key again)")
 
 
 def _committed_store(tmp_path, steps):
-    store = CheckpointStore(f"{tmp_path}/runs/t/round_0/ppo")
+    store = CheckpointStore(f"{tmp_path}/runs/t/round_0/rl")
     for step in steps:
         with store.writer(step) as writer:
             writer.write_bytes("x.bin", b"x")
@@ -164,30 +164,30 @@ def test_kl_breach_pauses_the_flow_run_and_resumes_with_new_input(prefect_server
         run={"name": "paused"},
         data=data,
         sft={"rounds": []},  # PPO from the base model: the breach comes quickly
-        ppo={"steps": 3, "actor_lr": 1e-3},
+        rl={"steps": 3, "actor_lr": 1e-3},
         kl={"pause_above": 1e-6, "pause_patience": 1},  # step 1 has KL 0 (policy = reference); step 2 trips
         alerts={"webhook_url": hook.url, "headers": {"Authorization": f"Bearer {SECRETS[1]}"}},
     )
     proc = cli(write_config(tmp_path / "c.yaml", tree))
     flow_run = wait_paused(prefect_server, "paused", proc)
-    store = CheckpointStore(str(root / "paused" / "round_0" / "ppo"))
+    store = CheckpointStore(str(root / "paused" / "round_0" / "rl"))
     assert store.committed_steps() == [2] and store.final() is None
     (_, body), = hook.received  # the alert went out before the pause
     assert json.loads(body)["step"] == 2 and json.loads(body)["reason"] == "kl"
     resume_paused(prefect_server, flow_run.id, {"action": "continue", "max_kl": 100.0, "kl_coef": 0.3}, proc)
     out = finish(proc)
-    assert "[round 0 ppo] step 3/3" in out and not any(secret in out for secret in SECRETS)
+    assert "[round 0 rl] step 3/3" in out and not any(secret in out for secret in SECRETS)
     assert store.final()["step"] == 3
 
     flow_runs, tasks = prefect_task_runs(prefect_server, "paused")
     assert [fr.state.type.value for fr in flow_runs] == ["COMPLETED"]
     states = [(t.name, t.state.name) for t in tasks[0]]
     # The breached result was not cached: the continuation ran (resuming at step 2), not "Cached".
-    assert states == [("round-0-rm", "Completed"), ("round-0-ppo", "Completed"), ("round-0-ppo", "Completed"),
+    assert states == [("round-0-rm", "Completed"), ("round-0-rl", "Completed"), ("round-0-rl", "Completed"),
                       ("round-0-eval", "Completed")], states
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     ppo = [r for r in client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])
-           if r.data.tags.get("rlflow.stage") == "ppo"][0]
+           if r.data.tags.get("rlflow.stage") == "rl"][0]
     assert ppo.info.status == "FINISHED" and ppo.data.tags["rlflow.breach"] == "kl at step 2"
     assert ppo.data.tags["rlflow.resumed_from"] == "2"
     coef = {m.step: m.value for m in client.get_metric_history(ppo.info.run_id, "actor/kl_coef")}

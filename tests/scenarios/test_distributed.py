@@ -14,14 +14,15 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import RecordingSink, small_config_tree
-from helpers.stage_ctx import make_call
+from helpers.stage_ctx import run_call
+from helpers.stage_ctx import sft_call as sft_call_of
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.config.execution import ResourcesConfig
 from rlflow.engine.backend.launch import DistributedJobError, build_launch_command, free_port, rank_env
 from rlflow.engine.backend.supervise import run_distributed
 from rlflow.engine.telemetry.metrics import EVENT_PREFIX
-from rlflow.engine.stages.worker import StageCall, make_context, run_stage_call, write_spec
+from rlflow.engine.stages.worker import StageCall, write_spec
 from rlflow.tasks.distributed import WORKER_MODULE, launch_training_stage
 
 TOLERANCE = 1e-5
@@ -53,7 +54,7 @@ def sft_config(assets, root, nproc: int, backend: str = "deepspeed", zero_stage:
 
 
 def sft_call(root, assets) -> StageCall:
-    return make_call(root, "sft", init_path=str(assets / "tiny-model"))
+    return sft_call_of(root, assets / "tiny-model")
 
 
 def final_weights(outcome) -> dict:
@@ -65,7 +66,7 @@ def uninterrupted(small_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("torch")
     config = sft_config(small_assets, root, 1, backend="torch")
     call = sft_call(root, small_assets)
-    return final_weights(run_stage_call(make_context(config, call, RecordingSink()), config, call))
+    return final_weights(run_call(config, call))
 
 
 # Each rank restores only what it keeps: ZeRO-2 its fragment of the state, ZeRO-3 its slice of

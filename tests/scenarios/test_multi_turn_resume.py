@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers.chat_model import write_chat_model
-from helpers.stage_ctx import make_call
+from helpers.stage_ctx import rl_call
 from helpers.stage_worker import final_files, finish_worker, stable, start_worker
 from rlflow.engine.faults import KILLED_EXIT_CODE
 from rlflow.engine.storage.checkpoint import CheckpointStore
@@ -28,8 +28,8 @@ def tree(chat_model, root, algorithm):
                  "chat_template": "auto"},
         "algorithm": {"name": algorithm},
         "rollout": {"n": 2, "generate_batch": 4},  # two chunks a step: two journal entries
-        "ppo": {"steps": 3, "rollout_batch": 4, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3, "log_every": 1,
-                "critic_init": "policy"},
+        "rl": {"steps": 3, "rollout_batch": 4, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3, "log_every": 1},
+        "ppo": {"critic_init": "policy"},
         "kl": {"stop_above": None},
         "reward": {"sources": [{"name": "length", "type": "function", "fn": "helpers.reward_fns:scaled_length",
                                 "kwargs": {"scale": 0.1}}]},
@@ -42,9 +42,7 @@ def tree(chat_model, root, algorithm):
 
 def call(chat_model, root, algorithm):
     model = str(chat_model / "model")
-    paths = {"policy": model, "reference": model, "sft": model, "reward_model": None, "score_norm": None,
-             "critic": model if algorithm == "ppo" else None}
-    return make_call(root, "ppo", ppo_inputs=paths)
+    return rl_call(root, model, critic=model if algorithm == "ppo" else None)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
@@ -63,7 +61,7 @@ def test_a_killed_multi_turn_step_replays_its_tools_and_ends_like_an_uninterrupt
         assert rc == (KILLED_EXIT_CODE if fault else 0), f"{fault}: exit {rc}\n{err}"
         logged += metrics
         if fault:
-            store = CheckpointStore(f"{root}/ppo")
+            store = CheckpointStore(f"{root}/rl")
             assert store.committed_steps() == [2]
             assert store.inflight_names() == ["tools_step_000003_rank_0.json"]
     rc, ref_metrics, err = finish_worker(reference)
@@ -71,7 +69,7 @@ def test_a_killed_multi_turn_step_replays_its_tools_and_ends_like_an_uninterrupt
     by_step = {step: stable(m) for step, m in ref_metrics}
     for step, metrics in logged:
         assert stable(metrics) == {k: by_step[step][k] for k in stable(metrics)}, f"step {step} differs"
-    assert final_files(f"{root}/ppo") == final_files(f"{ref_root}/ppo")
+    assert final_files(f"{root}/rl") == final_files(f"{ref_root}/rl")
     ran, ran_once = (root / "calls.log").read_text().splitlines(), (ref_root / "calls.log").read_text().splitlines()
     assert len(ran) == len(ran_once) > 0  # step 3's tools were not run a second time
-    assert CheckpointStore(f"{root}/ppo").inflight_names() == []  # the finished stage left no journal
+    assert CheckpointStore(f"{root}/rl").inflight_names() == []  # the finished stage left no journal

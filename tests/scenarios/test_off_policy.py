@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import small_config_tree
-from helpers.stage_ctx import make_call
+from helpers.stage_ctx import rl_call
 from helpers.stage_worker import final_files, finish_worker, stable, start_worker
 from rlflow.engine.faults import KILLED_EXIT_CODE
 from rlflow.engine.storage.checkpoint import CheckpointStore
@@ -39,7 +39,7 @@ def tree(assets: Path, root: Path, k: int) -> dict:
     return small_config_tree(
         assets,
         root,
-        ppo={"steps": STEPS, "log_every": 1},
+        rl={"steps": STEPS, "log_every": 1},
         rollout={"mode": "server", "off_policy_steps": k, "generate_batch": 8, "bucket_mb": 0.05, "threads": 1},
         checkpoint={"every_steps": 2, "keep_last": 2, "consolidate_every": 2},
         run={"threads": 1},
@@ -48,8 +48,7 @@ def tree(assets: Path, root: Path, k: int) -> dict:
 
 def call(root: Path, trained):
     sft_dir, rm_dir, norm = trained
-    paths = {"policy": sft_dir, "reference": sft_dir, "sft": sft_dir, "reward_model": rm_dir}
-    return make_call(root, "ppo", ppo_inputs=paths | {"score_norm": list(norm), "critic": rm_dir})
+    return rl_call(root, sft_dir, rm_dir, norm, critic=rm_dir)
 
 
 def comparable(metrics: dict) -> dict:
@@ -89,6 +88,6 @@ def test_an_off_policy_run_killed_anywhere_ends_bitwise_like_an_uninterrupted_on
     for step, metrics in logged:
         assert comparable(metrics) == {k_: by_step[step][k_] for k_ in comparable(metrics)}, f"step {step} differs"
     assert {s for s, _ in logged} >= set(by_step)
-    assert final_files(stage_call.store_url) == final_files(f"{ref_root}/ppo")
+    assert final_files(stage_call.store_url) == final_files(f"{ref_root}/rl")
     outcome = json.loads((root / "outcome.json").read_text())
     assert outcome["resumed_from"] == resumes[-1]

@@ -61,7 +61,7 @@ def start_worker(pool, tmp_path, fault_marker):
         os.environ,
         PREFECT_WORKER_QUERY_SECONDS="1",
         # One hang in round 0's PPO: the watchdog fails the task, Prefect retries it (run_count 2).
-        RLFLOW_FAULT="ppo:hang:2",
+        RLFLOW_FAULT="rl:hang:2",
         RLFLOW_FAULT_ONCE=str(fault_marker),
     )
     log = open(tmp_path / "worker.log", "wb")
@@ -129,11 +129,11 @@ def test_deploy_trigger_label_round_trip_then_registry_compare_report_export(
         root,
         label={"human_inbox": str(inbox), "online_from_round": None},
         tracking={"uri": mlflow_server},
-        ppo={"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1},
+        rl={"steps": 3, "rollout_batch": 16, "mini_batch": 8, "epochs": 1},
         kl={"stop_above": None},
         sampling={"max_new_tokens": 12},
         # Steps take < 1 s on idle cores; 15 s keeps a step on a loaded machine from passing for the hang.
-        stage={"ppo": {"retries": 1, "retry_delay_s": 0, "hang_timeout_s": 15}},
+        stage={"rl": {"retries": 1, "retry_delay_s": 0, "hang_timeout_s": 15}},
     )
     config_path = tmp_path / "nightly.yaml"
     config_path.write_text(yaml.safe_dump(tree))
@@ -156,7 +156,7 @@ def test_deploy_trigger_label_round_trip_then_registry_compare_report_export(
         assert task_states(prefect_client, first.id) == {
             "round-0-sft": ("Completed", 1),
             "round-0-rm": ("Completed", 1),
-            "round-0-ppo": ("Completed", 2),  # the watchdog's StageHung, then a retry resumed from step 2
+            "round-0-rl": ("Completed", 2),  # the watchdog's StageHung, then a retry resumed from step 2
             "round-0-eval": ("Completed", 1),
         }
         assert (tmp_path / "fault-fired").exists()
@@ -174,17 +174,18 @@ def test_deploy_trigger_label_round_trip_then_registry_compare_report_export(
         assert (second.name, second.state_name) == ("nightly", "Completed"), (tmp_path / "worker.log").read_text()[-3000:]
         states = task_states(prefect_client, second.id)
         assert {k: v[0] for k, v in states.items() if k.startswith("round-0")} == {
-            f"round-0-{s}": "Cached" for s in ("sft", "rm", "ppo", "eval")
+            f"round-0-{s}": "Cached" for s in ("sft", "rm", "rl", "eval")
         }
         assert {k: v for k, v in states.items() if k.startswith("round-1")} == {
-            f"round-1-{s}": ("Completed", 1) for s in ("rm", "ppo", "eval")
+            f"round-1-{s}": ("Completed", 1) for s in ("rm", "rl", "eval")
         }
     finally:
         stop_process(worker)
         log.close()
     rm = CheckpointStore(stage_prefix(str(root), "nightly", 1, "rm"))
-    human = rm.final()["identity_tree"]["inputs"]["human"]
-    assert human.startswith("round_0.jsonl@") and len(human) == len("round_0.jsonl@") + 64
+    labels = rm.final()["identity_tree"]["upstream"]["labels"]  # the label stages' manifests, the human files' bytes
+    human = [label for label in labels if label.startswith("sha256:")]
+    assert len(human) == 1 and len(human[0]) == len("sha256:") + 64
 
     check_registry_compare_report_export(root, mlflow_server, tmp_path, capsys)
 
@@ -203,12 +204,12 @@ def check_registry_compare_report_export(root, mlflow_server, tmp_path, capsys):
     assert [v.tags["rlflow.round"] for v in versions] == ["0", "1"]
     for version in versions:
         r = version.tags["rlflow.round"]
-        ppo = CheckpointStore(stage_prefix(str(root), "nightly", int(r), "ppo"))
-        assert version.tags["rlflow.checkpoint_uri"] == ppo.step_url(ppo.final()["step"])
+        rl = CheckpointStore(stage_prefix(str(root), "nightly", int(r), "rl"))
+        assert version.tags["rlflow.checkpoint_uri"] == rl.step_url(rl.final()["step"])
         assert version.tags["rlflow.reward_model_run_id"] == children[(r, "rm")].info.run_id
-        assert version.tags["rlflow.ppo_run_id"] == children[(r, "ppo")].info.run_id == version.run_id
+        assert version.tags["rlflow.rl_run_id"] == children[(r, "rl")].info.run_id == version.run_id
         assert version.tags["rlflow.parent_run_id"] == parent.info.run_id
-        # A server refuses a local path as a source (tasks/tracking.py): the PPO run stands in.
+        # A server refuses a local path as a source (tasks/tracking.py): the RL run stands in.
         assert version.source == f"runs:/{version.run_id}"
         assert len(version.tags["rlflow.data.preferences"]) == 64  # a sha256 of the data file
 

@@ -16,8 +16,9 @@ from rlflow.engine.faults import FAULT_ENV, FAULT_ONCE_ENV, KILLED_EXIT_CODE
 REJECT_ALL = [{"metric": "kl", "min": 1000.0}, {"metric": "length_ratio", "min": 0.01, "max": 100.0}]
 
 
-def _identity_inputs(root, r, stage):
-    return json.loads((root / "gated" / f"round_{r}" / stage / "final.json").read_text())["identity_tree"]["inputs"]
+def _upstream(root, r, stage):
+    """The identities of a finished stage's upstream inputs, as its identity tree recorded them."""
+    return json.loads((root / "gated" / f"round_{r}" / stage / "final.json").read_text())["identity_tree"]["upstream"]
 
 
 def _gate_artifacts(api_url, key):
@@ -37,7 +38,7 @@ def test_a_rejected_round_is_recorded_and_the_next_round_starts_from_the_champio
         small_assets,
         root,
         run={"name": "gated", "rounds": 1},
-        ppo={"steps": 2},
+        rl={"steps": 2},
         label={"online_from_round": 1, "prompts_per_round": 16},
         promotion={"enabled": True, "on_reject": "fail", "gates": REJECT_ALL},
     )
@@ -69,13 +70,13 @@ def test_a_rejected_round_is_recorded_and_the_next_round_starts_from_the_champio
     by_hand = {"action": "promote", "operator": "ana", "reason": "checked by hand"}
     resume_paused(prefect_server, wait_paused(prefect_server, "gated", proc).id, by_hand, proc)
     out = finish(proc)
-    assert "[round 0 ppo] step" not in out and "[round 1 ppo] step 2/2" in out
-    assert _identity_inputs(root, 1, "ppo")["policy"] == _identity_inputs(root, 0, "ppo")["policy"]
+    assert "[round 0 rl] step" not in out and "[round 1 rl] step 2/2" in out
+    assert _upstream(root, 1, "rl")["policy"] == _upstream(root, 0, "rl")["policy"]
     # ... while its reward model learns from pairs of the rejected policy's answers, its blind spot
-    rejected = json.loads((root / "gated" / "round_0" / "ppo" / "final.json").read_text())["manifest_sha256"]
-    assert _identity_inputs(root, 1, "label")["policy"] == rejected
+    rejected = json.loads((root / "gated" / "round_0" / "rl" / "final.json").read_text())["manifest_sha256"]
+    assert _upstream(root, 1, "label")["policy"] == rejected
     assert "round 1 promoted by hand (ana: checked by hand)" in out
-    assert f"final policy: {root / 'gated' / 'round_1' / 'ppo'}" in out
+    assert f"final policy: {root / 'gated' / 'round_1' / 'rl'}" in out
     versions = sorted(client.search_model_versions("name = 'gated-policy'"), key=lambda v: int(v.version))
     outcomes = [(v.tags["rlflow.round"], v.tags["rlflow.promotion"]) for v in versions]
     assert outcomes == [("0", "rejected"), ("1", "promoted")]

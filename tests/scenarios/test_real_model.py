@@ -39,7 +39,7 @@ def test_smollm2_import_sft_rm_grpo_with_a_verifier_export_and_chat(smollm2_dir,
         "rm": {"epochs": 1, "batch_size": 2, "norm_samples": 2, "log_every": 1, "warmup_steps": 0},
         "algorithm": {"name": "grpo"},
         "rollout": {"n": 2, "generate_batch": 4},
-        "ppo": {"steps": 1, "rollout_batch": 2, "mini_batch": 2, "epochs": 1},
+        "rl": {"steps": 1, "rollout_batch": 2, "mini_batch": 2, "epochs": 1},
         "kl": {"stop_above": None},
         "sampling": {"max_new_tokens": 8},
         "reward": {"sources": [
@@ -64,9 +64,9 @@ def test_smollm2_import_sft_rm_grpo_with_a_verifier_export_and_chat(smollm2_dir,
     client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])
     by_stage = {r.data.tags.get("rlflow.stage"): r for r in runs if r.data.tags.get("rlflow.kind") == "child"}
-    assert {"sft", "rm", "ppo", "eval"} <= set(by_stage)
-    ppo = by_stage["ppo"].data.metrics
-    assert 0 <= ppo["reward/correct/mean"] <= 1 and 0 <= ppo["reward/correct/skipped"] <= 4
+    assert {"sft", "rm", "rl", "eval"} <= set(by_stage)
+    rl = by_stage["rl"].data.metrics
+    assert 0 <= rl["reward/correct/mean"] <= 1 and 0 <= rl["reward/correct/skipped"] <= 4
     assert {"eval/gold/lenient", "eval/gold/mean_score", "eval/gold/valid"} <= set(by_stage["eval"].data.metrics)
 
     export = tmp_path / "export"

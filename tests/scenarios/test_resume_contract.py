@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import small_config_tree
-from helpers.stage_ctx import make_call
+from helpers.stage_ctx import make_call, model, rl_call, sft_call
+from rlflow.engine.stages.reward_model import RewardModelUpstream
 from helpers.stage_worker import final_files, finish_worker, stable, start_worker
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.faults import KILLED_EXIT_CODE
@@ -27,7 +28,7 @@ from rlflow.engine.stages.worker import StageCall
 KILL_CHAINS = {
     "sft": ["update:3", "ckpt_inside:4", "before_final:6"],
     "rm": ["ckpt_files:4"],
-    "ppo": ["rollout:2", "ckpt_manifest:4"],
+    "rl": ["rollout:2", "ckpt_manifest:4"],
 }
 
 
@@ -37,7 +38,7 @@ def stage_tree(assets: Path, root: Path) -> dict:
         root,
         sft={"max_steps": 6, "eval_every": 3, "batch_size": 16, "warmup_steps": 1, "log_every": 1},
         rm={"batch_size": 64, "log_every": 1},
-        ppo={"steps": 5, "log_every": 1},
+        rl={"steps": 5, "log_every": 1},
         rollout={"generate_batch": 8},  # two chunks per step: the rollout kill lands between them
         checkpoint={"every_steps": 2, "keep_last": 2, "consolidate_every": 2},
         run={"threads": 1},
@@ -46,21 +47,11 @@ def stage_tree(assets: Path, root: Path) -> dict:
 
 def stage_call(stage: str, root: Path, assets: Path, trained) -> StageCall:
     sft_dir, rm_dir, score_norm = trained
-    inputs = {
-        "sft": {"init_path": str(assets / "tiny-model")},
-        "rm": {"init_path": sft_dir},
-        "ppo": {
-            "ppo_inputs": {
-                "policy": sft_dir,
-                "reference": sft_dir,
-                "sft": sft_dir,
-                "reward_model": rm_dir,
-                "score_norm": list(score_norm),
-                "critic": rm_dir,
-            }
-        },
-    }[stage]
-    return make_call(root, stage, **inputs)
+    if stage == "sft":
+        return sft_call(root, assets / "tiny-model")
+    if stage == "rm":
+        return make_call(root, "rm", RewardModelUpstream(init=model(sft_dir)))
+    return rl_call(root, sft_dir, rm_dir, score_norm, critic=rm_dir)
 
 
 @pytest.mark.parametrize("stage", list(KILL_CHAINS))
@@ -98,7 +89,7 @@ def test_killed_anywhere_and_continued_ends_exactly_like_an_uninterrupted_run(
     assert final_files(call.store_url) == final_files(f"{ref_root}/{stage}")
     outcome = json.loads((root / "outcome.json").read_text())
     assert outcome["resumed_from"] == resumes[-1] and outcome["step"] == max(by_step)
-    if stage == "ppo":  # every PPO step of every run logged its sampled ids' checksum
+    if stage == "rl":  # every RL step of every run logged its sampled ids' checksum
         assert all("rollout/response_ids_crc32" in m for _, m in logged if "actor/kl" in m)
     resume_s = [m["checkpoint/resume_s"] for _, m in logged if "checkpoint/resume_s" in m]
     assert len(resume_s) == sum(r is not None and r < max(by_step) for r in resumes) and all(t > 0 for t in resume_s)

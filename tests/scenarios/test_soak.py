@@ -11,9 +11,8 @@ import psutil
 import pytest
 
 from conftest import small_config_tree
-from helpers.stage_ctx import make_call
+from helpers.stage_ctx import rl_call, run_call
 from rlflow.engine.config.schema import build_config
-from rlflow.engine.stages.worker import make_context, run_stage_call
 
 STEPS, WARMUP = 300, 50
 
@@ -44,20 +43,19 @@ class ResourceSink:
 
 
 @pytest.mark.slow
-def test_soak_300_ppo_steps_with_a_checkpoint_every_step(trained, small_assets, tmp_path):
+def test_soak_300_rl_steps_with_a_checkpoint_every_step(trained, small_assets, tmp_path):
     sft_dir, rm_dir, score_norm = trained
     tree = small_config_tree(
         small_assets,
         tmp_path / "runs",
-        ppo={"steps": STEPS, "log_every": 1},
+        rl={"steps": STEPS, "log_every": 1},
         eval={"every_steps": 100},
         checkpoint={"every_steps": 1, "keep_last": 3, "consolidate_every": 10, "mirror": str(tmp_path / "mirror")},
     )
     config = build_config(tree, "soak")
-    inputs = {"policy": sft_dir, "reference": sft_dir, "sft": sft_dir, "reward_model": rm_dir, "critic": rm_dir}
-    call = make_call(f"{tmp_path}/runs/t/round_0", "ppo", "soak", ppo_inputs=inputs | {"score_norm": list(score_norm)})
+    call = rl_call(f"{tmp_path}/runs/t/round_0", sft_dir, rm_dir, score_norm, critic=rm_dir, identity="soak")
     sink = ResourceSink(Path(call.store_url))
-    outcome = run_stage_call(make_context(config, call, sink), config, call)
+    outcome = run_call(config, call, sink=sink)
     assert outcome.step == STEPS
 
     s = sink.samples
@@ -76,4 +74,4 @@ def test_soak_300_ppo_steps_with_a_checkpoint_every_step(trained, small_assets, 
     assert peak_disk_after_warmup < 1.5 * max(v["disk_mb"] for k, v in s.items() if k <= WARMUP), report
     assert end["fds"] <= warm["fds"] and end["threads"] <= warm["threads"], report
     mirror_steps = sorted(p.name for p in (tmp_path / "mirror").rglob("step_*"))
-    assert len(mirror_steps) <= 3 + 2 and os.path.isfile(tmp_path / "mirror" / "t" / "round_0" / "ppo" / "final.json")
+    assert len(mirror_steps) <= 3 + 2 and os.path.isfile(tmp_path / "mirror" / "t" / "round_0" / "rl" / "final.json")

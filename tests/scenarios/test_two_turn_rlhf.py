@@ -14,18 +14,16 @@ from safetensors.torch import load_file
 
 from conftest import RecordingSink, rl_inputs
 from helpers.chat_model import write_chat_model
-from helpers.stage_ctx import make_ctx
-from rlflow.engine.config.sampling import SamplingParams
+from helpers.stage_ctx import inputs, make_ctx, model, run
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.data.batching import encode_pair, right_pad
 from rlflow.engine.data.records import load_preference_pairs, load_prompts, load_sft_examples
 from rlflow.engine.models.loading import load_policy, load_tokenizer
 from rlflow.engine.rollout.generate import generate_rollouts
-from rlflow.engine.stages.evaluation import encode_prompt_set
-from rlflow.engine.stages.label_eval import PAIRS_FILE, LabelStageInputs, run_label_stage
-from rlflow.engine.stages.reward_model import RewardModelStageInputs, run_reward_model_stage
-from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
-from rlflow.engine.stages.sft import SFTStageInputs, encode_sft_example, run_sft_stage
+from rlflow.engine.data.prompts import encode_prompt_set
+from rlflow.engine.stages.label import PAIRS_FILE, LabelUpstream
+from rlflow.engine.stages.reward_model import RewardModelUpstream
+from rlflow.engine.stages.sft import SFTUpstream, encode_sft_example
 
 
 def turn(role, content):
@@ -67,14 +65,14 @@ def config(root, tmp_path, **sections):
         "rm": {"epochs": 1, "batch_size": 4, "lr": 1e-3, "log_every": 1, "norm_samples": 4},
         "algorithm": {"name": "grpo"},
         "rollout": {"n": 2},
-        "ppo": {"steps": 1, "rollout_batch": 4, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3},
+        "rl": {"steps": 1, "rollout_batch": 4, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3},
         "kl": {"stop_above": None},
         "sampling": {"max_new_tokens": 6},
         "eval": {"every_steps": 100, "num_prompts": 4, "batch_size": 4, "num_logged_samples": 4},
         "checkpoint": {"every_steps": 1, "keep_last": 1},
     }
     for name, values in sections.items():
-        tree[name] |= values
+        tree[name] = tree.get(name, {}) | values
     return build_config(tree, "t")
 
 
@@ -103,8 +101,7 @@ def test_a_two_turn_dataset_through_sft_the_reward_model_and_grpo(chat_data, tmp
     learned = tokenizer.decode(torch.tensor(ids)[loss_mask[0].bool()])
     assert learned == "the answer is 42<|im_end|>the answer is 47<|im_end|>"
     sink = RecordingSink()
-    sft_inputs = SFTStageInputs(cfg.model.path, cfg.model, cfg.sft, cfg.data)
-    sft = run_sft_stage(make_ctx(tmp_path, "sft", sink=sink), sft_inputs)
+    sft = run(make_ctx(tmp_path, "sft", sink=sink), inputs(cfg, "sft", SFTUpstream(init=model(cfg.model.path))))
     sft_dir = f"{sft.checkpoint_uri}/model"
     assert len(sink.series("sft/loss")) == 1 and 0 < moved(cfg.model.path, sft_dir) < 1
     tokens = [encode_sft_example(tokenizer, ex, cfg.sft, {}).learned for ex in load_sft_examples(cfg.data.sft)]
@@ -117,9 +114,7 @@ def test_a_two_turn_dataset_through_sft_the_reward_model_and_grpo(chat_data, tmp
     assert chosen.prompt + chosen.response == rendered_ids(tokenizer, list(pair.prompt) + answer("result 47"), False)[
         : len(chosen.prompt + chosen.response)
     ]
-    rm = run_reward_model_stage(
-        make_ctx(tmp_path, "rm"), RewardModelStageInputs(sft_dir, cfg.model, cfg.rm, cfg.data, (), ())
-    )
+    rm = run(make_ctx(tmp_path, "rm"), inputs(cfg, "rm", RewardModelUpstream(init=model(sft_dir))))
     assert rm.metrics["rm/pairs"] == 4 and rm.metrics["rm/score_std"] > 0
     rm_dir = f"{rm.checkpoint_uri}/model"
 
@@ -134,24 +129,19 @@ def test_a_two_turn_dataset_through_sft_the_reward_model_and_grpo(chat_data, tmp
         assert batch.input_ids[i, width - len(ids) : width].tolist() == list(ids)
     sink = RecordingSink()
     norm = (rm.metrics["rm/score_mean"], rm.metrics["rm/score_std"])
-    paths = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None)
-    outcome = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink), rl_inputs(cfg, paths, lambda p, r, **f: 0.0))
-    assert outcome.metrics["ppo/steps"] == 1 and 0 < moved(sft_dir, f"{outcome.checkpoint_uri}/model") < 1
+    outcome = run(make_ctx(tmp_path, "rl", sink=sink), rl_inputs(cfg, sft_dir, rm_dir, norm))
+    assert outcome.metrics["rl/steps"] == 1 and 0 < moved(sft_dir, f"{outcome.checkpoint_uri}/model") < 1
     assert all(torch.isfinite(torch.tensor(v)) for _, v in sink.series("actor/pg_loss"))
     samples = sink.tables["eval_samples.json"]
     assert [s["prompt"] for s in samples] == [r.prompt for r in records]  # the history, as the data gave it
 
 
 def test_online_labels_compare_two_continuations_of_the_same_history(chat_data, tmp_path):
-    cfg = config(chat_data, tmp_path)
-    seen = []
-
-    def label(prompt, a, b, rng, **fields):
-        seen.append((prompt, fields["answer"]))
-        return None if a == b else 0 if len(a) >= len(b) else 1
-
-    inputs = LabelStageInputs(cfg.model.path, cfg.model, cfg.data, SamplingParams(1.0, 1.0, 6), label, {}, 4)
-    outcome = run_label_stage(make_ctx(tmp_path, "label"), inputs)
+    log = tmp_path / "labelled.jsonl"
+    labeller = {"fn": "helpers.reward_fns:longer_noting_rows", "kwargs": {"log": str(log)}}
+    cfg = config(chat_data, tmp_path, label={"labeller": labeller, "prompts_per_round": 4})
+    outcome = run(make_ctx(tmp_path, "label"), inputs(cfg, "label", LabelUpstream(policy=model(cfg.model.path))))
+    seen = [(row["prompt"], row["answer"]) for row in map(json.loads, log.read_text().splitlines())]
     key = json.dumps  # turns are dicts: compare conversations by their JSON
     histories = {key(history(a, 30, c)): a + 30 + c for a, c in ((12, 5), (7, 8), (21, 3), (4, 40))}
     assert sorted(key(list(prompt)) for prompt, _ in seen) == sorted(histories)  # each history, once

@@ -63,9 +63,13 @@ def run_in(installed: Path, cwd: Path, *args: str) -> subprocess.CompletedProces
 
 
 def test_the_cli_runs_from_the_installed_wheel_outside_the_checkout(installed, tmp_path):
+    # rlflow is a namespace package (no __init__.py; its parts are engine/, tasks/, flows/, configs/), so
+    # rlflow.__file__ is None: every entry of rlflow.__path__ must lie in the install instead.
     where = run_in(installed, tmp_path, "python", "-c",
-                   "import rlflow.engine, rlflow.flows.cli.main as m; print(rlflow.engine.__file__); print(m.__file__)")
+                   "import rlflow, rlflow.engine, rlflow.flows.cli.main as m; "
+                   "print(*rlflow.__path__, rlflow.engine.__file__, m.__file__, sep='\\n')")
     assert where.returncode == 0, where.stderr
+    assert len(where.stdout.split()) >= 3, where.stdout
     for line in where.stdout.split():
         assert line.startswith(str(installed)) and not line.startswith(str(ROOT)), where.stdout
     help_text = run_in(installed, tmp_path, "rlflow", "--help")

@@ -4,7 +4,7 @@ did not all score the same, sampling more prompts while too few of them did.
 A group of equal rewards has zero group-relative advantage: it costs a forward and a backward, adds
 its tokens to the loss's normaliser and teaches nothing. Late in training, when most prompts are
 solved every time (or never), most of a batch can be such groups. Each try samples a fresh set of
-`ppo.rollout_batch` prompts (prompts and seeds are a pure function of the step and the try, so a
+`rl.rollout_batch` prompts (prompts and seeds are a pure function of the step and the try, so a
 resumed step draws the same). The batch keeps its size: the first rollout_batch informative groups,
 in the order sampled, or, after `dynamic_sampling_max_tries`, every informative group found and
 then dropped ones to fill it (the step never fails for want of signal, and mini-batches still tile it).

@@ -21,7 +21,7 @@ from rlflow.engine.algorithms.kl import behaviour_weighted_kl, compute_token_rew
 from rlflow.engine.algorithms.rollout_correction import correction_metrics, importance_weights, raw_importance_weights
 from rlflow.engine.algorithms.stats import explained_variance, masked_mean, masked_whiten
 from rlflow.engine.backend.runtime import Runtime, TrainEngine
-from rlflow.engine.config.stages import PPOConfig
+from rlflow.engine.config.stages import RLConfig
 from rlflow.engine.rewards.model_scores import ScoringModels, normalised_scores
 from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout.generate import (
@@ -40,18 +40,17 @@ from rlflow.engine.seeds import step_seed
 from rlflow.engine.telemetry.phases import add_phases, timed
 
 if TYPE_CHECKING:
-    from rlflow.engine.config.schema import Config
     from rlflow.engine.data.records import PromptRecord
     from rlflow.engine.rewards.sources import RewardSource
-
-
+    from rlflow.engine.stages.rl.inputs import RLInputs
 
 
 @dataclass(frozen=True)
 class Objective:
-    """What the RL update optimises: the advantage estimator (algorithm.name), the group size
-    (rollout.n samples per prompt), where the KL to the reference goes (reward or loss) and how,
-    and the sampled policy (its temperature defines the log-probabilities)."""
+    """What the RL update optimises: the advantage estimator (algorithm.name) and its parameters,
+    the group size (rollout.n samples per prompt), where the KL to the reference goes (reward or
+    loss) and how, the sampled policy (its temperature defines the log-probabilities) and PPO's
+    critic loss."""
 
     estimator: str = "ppo"  # a key of engine/algorithms/advantages.py ADVANTAGE_ESTIMATORS
     group_size: int = 1
@@ -68,28 +67,37 @@ class Objective:
     overlong_penalty: float = 1.0  # reward units, at the length limit
     dynamic_sampling_max_tries: int | None = None  # DAPO's dynamic sampling; None: off
     off_policy: bool = False  # rollout.off_policy_steps > 0 or async: samples come from an older policy
+    lam: float = 0.95  # GAE's lambda (ppo.lam)
+    whiten_advantages: bool = True  # PPO's GAE advantages whitened over the batch (ppo.whiten_advantages)
+    value_clip: float = 0.2  # the critic's value clip (ppo.value_clip)
+    critic_warmup_steps: int = 0  # first steps in which only the critic learns (ppo.critic_warmup_steps)
 
     @classmethod
-    def of(cls, config: Config) -> Objective:
-        """The objective a run's config defines (its algorithm, kl, sampling, rollout and reward sections)."""
-        algorithm, kl = config.algorithm, config.kl
+    def of(cls, inputs: RLInputs) -> Objective:
+        """The objective an RL stage's inputs define (its algorithm, kl, sampling, rollout, reward and ppo sections)."""
+        algorithm, kl, ppo = inputs.algorithm, inputs.kl, inputs.ppo
         in_loss = kl.placed_in_loss(algorithm.name)
+        critic = {} if ppo is None else {
+            "lam": ppo.lam, "whiten_advantages": ppo.whiten_advantages, "value_clip": ppo.value_clip,
+            "critic_warmup_steps": ppo.critic_warmup_steps,
+        }
         return cls(
             estimator=algorithm.name,
-            group_size=config.rollout.n,
+            group_size=inputs.rollout.n,
             kl_in_loss=in_loss,
             kl_estimator=kl.estimator_for(in_loss),
             kl_loss_coef=kl.loss_coef,
             norm_std=algorithm.norm_std,
-            sampling=config.sampling.params(),
+            sampling=inputs.sampling.params(),
             policy_loss=algorithm.policy_loss,
             rollout_correction=algorithm.rollout_correction,
             correction_cap=algorithm.correction_cap,
             correction_level=algorithm.correction_level,
-            overlong_buffer=config.reward.overlong_buffer,
-            overlong_penalty=config.reward.overlong_penalty,
+            overlong_buffer=inputs.reward.overlong_buffer,
+            overlong_penalty=inputs.reward.overlong_penalty,
             dynamic_sampling_max_tries=algorithm.dynamic_sampling_max_tries if algorithm.dynamic_sampling else None,
-            off_policy=config.rollout.samples_ahead,
+            off_policy=inputs.rollout.samples_ahead,
+            **critic,
         )
 
     def shaped_scores(self, scores: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
@@ -107,7 +115,7 @@ class Objective:
 
 
 @dataclass(frozen=True)
-class PPOModels:
+class RLModels:
     actor: TrainEngine
     critic: TrainEngine | None  # None: a critic-free estimator (GRPO, RLOO, REINFORCE++)
     tokenizer: Any
@@ -166,7 +174,7 @@ class Experience:
 
 @torch.no_grad()
 def _score_chunk(
-    models: PPOModels,
+    models: RLModels,
     temperature: float,
     batch: RolloutBatch,
     step: int,
@@ -231,7 +239,7 @@ def _gather_rollout(local: RolloutBatch, n: int, generate_batch: int, pad: int) 
 
 
 def sample_and_score(
-    models: PPOModels,
+    models: RLModels,
     params: SamplingParams,
     prompts: list[tuple[int, ...]],
     seed: int,
@@ -240,7 +248,7 @@ def sample_and_score(
     records: Sequence[PromptRecord] | None = None,
     from_update: bool = False,
 ) -> ScoredRollout:
-    """Sample and score one batch. Never calls the gold function: PPO sees only the reward model.
+    """Sample and score one batch. Never calls the gold function: RL sees only its reward.
 
     Prompts are sampled in chunks of `generate_batch`, chunk c seeded from (seed, c) and handled
     by rank c % world_size; every rank then holds the whole batch in global order, so the draw
@@ -282,7 +290,7 @@ def sample_and_score(
                 scored.append(parts)
                 if models.rollout is not None and models.rollout.checks_batches:  # old log-probs: the sync probe
                     checks.append(models.rollout.check(batch, parts[0]))
-            fault_point("ppo", "rollout", step)
+            fault_point("rl", "rollout", step)
         if reward is not None:  # a failed reward source raises here, on every rank alike
             for parts, (handle, rows) in zip(scored, submitted):
                 collected = timed("timing_s/reward", lambda: reward.collect(handle, rows))
@@ -310,7 +318,7 @@ def assemble_experience(
     old_logprobs: torch.Tensor,
     values: torch.Tensor,
     kl_coef: float,
-    cfg: PPOConfig,
+    cfg: RLConfig,
     objective: Objective = Objective(),
 ) -> Experience:
     """Token rewards (the score, with the objective's overlong penalty, on each row's last token,
@@ -324,9 +332,9 @@ def assemble_experience(
     scores = o.shaped_scores(rollout.scores, rollout.batch)
     rewards = compute_token_rewards(scores, kl, mask, 0.0 if o.kl_in_loss else kl_coef)
     advantages, returns = compute_advantages(
-        o.estimator, rewards, values, mask, o.group_size, cfg.gamma, cfg.lam, o.norm_std
+        o.estimator, rewards, values, mask, o.group_size, cfg.gamma, o.lam, o.norm_std
     )
-    if o.estimator == "ppo" and cfg.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
+    if o.estimator == "ppo" and o.whiten_advantages and mask.sum() >= 2:  # a variance needs two tokens
         advantages = masked_whiten(advantages, mask)
     is_weights = None
     if o.rollout_correction != "none":
@@ -343,22 +351,6 @@ def assemble_experience(
         returns,
         is_weights,
     )
-
-
-def make_experience(
-    models: PPOModels,
-    cfg: PPOConfig,
-    prompts: list[tuple[int, ...]],
-    kl_coef: float,
-    seed: int,
-    generate_batch: int,
-    step: int = 0,
-    records: Sequence[PromptRecord] | None = None,
-    objective: Objective = Objective(),
-) -> Experience:
-    """Sample, score with all four models, and assemble (see sample_and_score)."""
-    rollout = sample_and_score(models, objective.sampling, prompts, seed, generate_batch, step, records)
-    return assemble_experience(rollout, rollout.old_logprobs, rollout.values, kl_coef, cfg, objective)
 
 
 def experience_metrics(

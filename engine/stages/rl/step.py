@@ -1,17 +1,16 @@
-"""PPO with a per-token critic, a KL-penalised reward and an adaptive KL controller.
+"""One RL step, the same for every estimator (PPO, GRPO, RLOO, REINFORCE++).
 
-One step: sample a batch of responses, score them (reward model, reference, critic), build
-per-token rewards and GAE advantages (engine/stages/rl/experience.py), then several epochs of clipped actor
-and critic updates over mini-batches. The maths lives in `algos`; this module only moves tensors
-between them.
+One step: sample a batch of responses, score them (reward sources, reference, critic), build
+per-token rewards and advantages by the objective's estimator (engine/stages/rl/experience.py), then
+epochs of clipped actor (and, for PPO, critic) updates over mini-batches. The maths lives in
+engine/algorithms; this module only moves tensors between them.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rlflow.engine.backend import dist
@@ -23,13 +22,13 @@ from rlflow.engine.algorithms.stats import masked_sum
 from rlflow.engine.backend.runtime import LossParts, TrainEngine
 from rlflow.engine.data.batching import batch_indices
 from rlflow.engine.config.kl import KLConfig
-from rlflow.engine.config.stages import PPOConfig
-from rlflow.engine.stages.evaluation import PromptSet, evaluate_policy
+from rlflow.engine.config.stages import RLConfig
+from rlflow.engine.data.prompts import PromptSet
 from rlflow.engine.stages.rl.dynamic_sampling import sample_informative
 from rlflow.engine.stages.rl.experience import (
     Experience,
     Objective,
-    PPOModels,
+    RLModels,
     ScoredRollout,
     assemble_experience,
     experience_metrics,
@@ -40,9 +39,8 @@ from rlflow.engine.faults import fault_point
 from rlflow.engine.rollout.episodes import episode_metrics
 from rlflow.engine.rollout.generate import RolloutBatch
 from rlflow.engine.rollout.lookahead import StepPlan, chunk_spans, staleness_metrics
-from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.seeds import step_seed
-from rlflow.engine.telemetry.phases import add_phases, collect_phases, timed
+from rlflow.engine.telemetry.phases import add_phases, phase, timed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -61,7 +59,7 @@ def actor_loss_parts(
     entropy: torch.Tensor,
     exp: Experience,
     index: torch.Tensor,
-    cfg: PPOConfig,
+    cfg: RLConfig,
     objective: Objective = Objective(),
 ) -> LossParts:
     """The objective's policy loss of the rows `index` [M] (times the rollout-correction weights,
@@ -90,7 +88,7 @@ def actor_loss_parts(
 
 
 def actor_loss(
-    model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig, objective: Objective = Objective()
+    model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: RLConfig, objective: Objective = Objective()
 ) -> LossParts:
     rows = exp.batch.rows(index)
     return actor_loss_parts(*actor_forward(model, rows, objective.sampling.temperature), exp, index, cfg, objective)
@@ -102,24 +100,24 @@ def critic_forward(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
 
 
 def critic_loss_parts(
-    values: torch.Tensor, exp: Experience, index: torch.Tensor, cfg: PPOConfig, objective: Objective = Objective()
+    values: torch.Tensor, exp: Experience, index: torch.Tensor, cfg: RLConfig, objective: Objective = Objective()
 ) -> LossParts:
     """Clipped value loss of the rows `index` [M]; values [M, R] from critic_forward on those rows."""
     mask = exp.batch.response_mask[index].to(values.device)
     vf, vf_clipped = value_loss(
-        values, exp.values[index].to(mask.device), exp.returns[index].to(mask.device), cfg.value_clip
+        values, exp.values[index].to(mask.device), exp.returns[index].to(mask.device), objective.value_clip
     )
     loss_sum, units = loss_sum_and_units(vf, mask, cfg.loss_agg, norm_length(cfg, objective))
     return LossParts(loss_sum, units, {"critic/vf_clipfrac": (float(masked_sum(vf_clipped, mask)), float(mask.sum()))})
 
 
 def critic_loss(
-    model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: PPOConfig, objective: Objective = Objective()
+    model: torch.nn.Module, exp: Experience, index: torch.Tensor, cfg: RLConfig, objective: Objective = Objective()
 ) -> LossParts:
     return critic_loss_parts(critic_forward(model, exp.batch.rows(index)), exp, index, cfg, objective)
 
 
-def norm_length(cfg: PPOConfig, objective: Objective) -> int | None:
+def norm_length(cfg: RLConfig, objective: Objective) -> int | None:
     """seq-mean-token-sum-norm's constant: the generation budget, sampling.max_new_tokens (Dr. GRPO)."""
     return objective.sampling.max_new_tokens if cfg.loss_agg == "seq-mean-token-sum-norm" else None
 
@@ -134,7 +132,8 @@ class UpdateMetrics:
 
     def run(self, name: str, engine: TrainEngine, micro: list, units: list, loss_fn: Callable, step: int) -> None:
         """One optimizer step of `engine`, timed as timing_s/update_<name>."""
-        out = timed(f"timing_s/update_{name}", lambda: engine.train_step(micro, units, loss_fn))
+        with phase(f"timing_s/update_{name}"):
+            out = engine.train_step(micro, units, loss_fn)
         self.skipped = max(self.skipped, out["skipped"])
         metrics = {k: v for k, v in out.items() if k.startswith(f"{name}/")}
         metrics[f"{name}/{'pg_loss' if name == 'actor' else 'vf_loss'}"] = out["loss"]
@@ -146,10 +145,10 @@ class UpdateMetrics:
         return {k: v / self.counts[k] for k, v in self.sums.items()} | {"skipped": self.skipped}
 
 
-def ppo_update(
-    models: PPOModels,
+def rl_update(
+    models: RLModels,
     exp: Experience,
-    cfg: PPOConfig,
+    cfg: RLConfig,
     update_actor: bool,
     seed: int,
     step: int = 0,
@@ -185,7 +184,7 @@ def ppo_update(
     return record.result()
 
 
-def single_pass_possible(models: PPOModels, cfg: PPOConfig, update_actor: bool, group_size: int = 1) -> bool:
+def single_pass_possible(models: RLModels, cfg: RLConfig, update_actor: bool, group_size: int = 1) -> bool:
     """Whether the update is one optimizer step per model over the whole batch in one forward:
     one epoch, one mini-batch, one micro-batch (no token budget to cut it), one process, samples
     drawn here or off-policy. Its forwards then run on exactly the weights of the proximal policy
@@ -204,9 +203,9 @@ def single_pass_possible(models: PPOModels, cfg: PPOConfig, update_actor: bool, 
 
 
 def single_pass_update(
-    models: PPOModels,
+    models: RLModels,
     rollout: ScoredRollout,
-    cfg: PPOConfig,
+    cfg: RLConfig,
     kl_coef: float,
     step: int,
     objective: Objective = Objective(),
@@ -237,76 +236,69 @@ def single_pass_update(
     return exp, record.result()
 
 
-def ppo_step(
-    models: PPOModels,
-    kl_controller,
-    cfg: PPOConfig,
-    prompts: PromptSet,
-    seed: int,
-    round_index: int,
-    step: int,
-    generate_batch: int,
-    objective: Objective,
+def sample_step(
+    models: RLModels, cfg: RLConfig, prompts: PromptSet, seed: int, round_index: int, step: int, generate_batch: int,
+    objective: Objective, from_update: bool,
+) -> tuple[ScoredRollout, dict[str, float]]:
+    """What RL step `step` trains on: `cfg.rollout_batch` prompts x `objective.group_size` samples each
+    (consecutive rows; DAPO's dynamic sampling tries again for informative groups), scored, and the
+    rollout's own metrics (staleness, the weight sync's probe). `from_update`: the update computes
+    the old log-probs and values (single_pass_possible)."""
+
+    def sample(attempt: int) -> ScoredRollout:
+        if models.rollout is not None and models.rollout.cfg.async_:  # the groups the stream holds
+            index_of = stream_prompts(len(prompts.token_ids), cfg, seed, round_index)
+            draw = stream_draw(prompts, index_of, models.rollout.take_groups(step), objective.group_size)
+        else:
+            draw = step_draw(prompts, cfg.rollout_batch, objective.group_size, step, seed, round_index, attempt)
+        return sample_and_score(
+            models, objective.sampling, draw.rows, draw.seed, generate_batch, step, draw.records, from_update
+        )
+
+    sampled_metrics: dict[str, float] = {}
+    if objective.dynamic_sampling_max_tries is None:
+        rollout = sample(0)
+    else:
+        pad, tries = models.tokenizer.pad_token_id, objective.dynamic_sampling_max_tries
+        rollout, sampled_metrics = sample_informative(sample, objective, cfg.rollout_batch, tries, pad)
+    if rollout.batch.sampled_versions is not None:  # asserts the bound on every row trained on
+        bound = models.rollout.cfg.staleness_bound
+        sampled_metrics |= staleness_metrics(rollout.batch.sampled_versions, step - 1, bound)
+    if models.rollout is not None:  # off-policy: the last weight sync's probe, before the weights move
+        sampled_metrics |= models.rollout.verify_sync(models.actor)
+    fault_point("rl", "batch_received", step)
+    return rollout, sampled_metrics
+
+
+def after_update(
+    models: RLModels, kl_controller: Any, exp: Experience, kl_coef: float, objective: Objective, step: int
 ) -> dict[str, float]:
-    """One RL step (1-based `step`): rollout of `cfg.rollout_batch` prompts x `objective.group_size`
-    samples each (consecutive rows), scoring, updates, KL controller. Returns metrics, with
-    timing_s/{gen,old_logprobs,ref,values,reward,update_actor,update_critic,other,step}."""
-    started = time.monotonic()
-    with collect_phases() as timings:  # every phase below adds its seconds (engine/telemetry/phases.py)
-        update_actor = step > cfg.critic_warmup_steps or models.critic is None
-        if models.episodes is not None and models.episodes.journal is not None:
-            models.episodes.journal.begin(step)
-        single = single_pass_possible(models, cfg, update_actor, objective.group_size)
-
-        def sample(attempt: int) -> ScoredRollout:
-            if models.rollout is not None and models.rollout.cfg.async_:  # the groups the stream holds
-                index_of = stream_prompts(len(prompts.token_ids), cfg, seed, round_index)
-                draw = stream_draw(prompts, index_of, models.rollout.take_groups(step), objective.group_size)
-            else:
-                draw = step_draw(prompts, cfg.rollout_batch, objective.group_size, step, seed, round_index, attempt)
-            return sample_and_score(
-                models, objective.sampling, draw.rows, draw.seed, generate_batch, step, draw.records, from_update=single
-            )
-
-        sampled_metrics: dict[str, float] = {}
-        if objective.dynamic_sampling_max_tries is None:
-            rollout = sample(0)
-        else:
-            pad, tries = models.tokenizer.pad_token_id, objective.dynamic_sampling_max_tries
-            rollout, sampled_metrics = sample_informative(sample, objective, cfg.rollout_batch, tries, pad)
-        if rollout.batch.sampled_versions is not None:  # asserts the bound on every row trained on
-            bound = models.rollout.cfg.staleness_bound
-            sampled_metrics |= staleness_metrics(rollout.batch.sampled_versions, step - 1, bound)
-        if models.rollout is not None:  # off-policy: the last weight sync's probe, before the weights move
-            sampled_metrics |= models.rollout.verify_sync(models.actor)
-        fault_point("ppo", "batch_received", step)
-        coef = kl_controller.value
-        if single:
-            exp, update_metrics = single_pass_update(models, rollout, cfg, coef, step, objective)
-        else:
-            exp = assemble_experience(rollout, rollout.old_logprobs, rollout.values, coef, cfg, objective)
-            update_seed = step_seed(seed, round_index, step, 5)
-            update_metrics = ppo_update(models, exp, cfg, update_actor, update_seed, step, objective)
-        kl_coef = objective.kl_loss_coef if objective.kl_in_loss else coef
-        metrics = experience_metrics(exp, kl_coef, models.critic is not None, objective) | update_metrics
-        metrics |= sampled_metrics
-        if models.reward is not None:
-            metrics |= models.reward.metrics
-        if models.episodes is not None:
-            metrics |= episode_metrics([t.summary() for t in models.episodes.take()], "env/")
-        if models.rollout is not None:  # the worker samples the next step(s) with the updated actor
-            add_phases(models.rollout.sync(models.actor, step, step))
-            add_phases(models.rollout.idle_metrics())
-        if not objective.kl_in_loss:  # with the KL in the loss its coefficient is fixed
-            kl_controller.update(metrics["actor/kl"], exp.batch.input_ids.shape[0])
-    timings["timing_s/step"] = time.monotonic() - started
-    # "other" is what no phase timed; the rollout worker's figures in the collection are not seconds,
-    # and the waits overlap the phases (the trainer's inside gen, the worker's in another process).
-    phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k not in NOT_PHASES]
-    timings["timing_s/other"] = timings["timing_s/step"] - sum(phases)
-    metrics.update(timings)
-    metrics["perf/throughput"] = float(exp.batch.attention_mask.sum()) / timings["timing_s/step"]
+    """After the updates: the experience's metrics and the reward sources' and episodes'; the rollout
+    worker gets the updated weights; the KL controller moves (unless the KL is a loss term)."""
+    kl_weight = objective.kl_loss_coef if objective.kl_in_loss else kl_coef
+    metrics = experience_metrics(exp, kl_weight, models.critic is not None, objective)
+    if models.reward is not None:
+        metrics |= models.reward.metrics
+    if models.episodes is not None:
+        metrics |= episode_metrics([t.summary() for t in models.episodes.take()], "env/")
+    if models.rollout is not None:  # the worker samples the next step(s) with the updated actor
+        add_phases(models.rollout.sync(models.actor, step, step))
+        add_phases(models.rollout.idle_metrics())
+    if not objective.kl_in_loss:  # with the KL in the loss its coefficient is fixed
+        kl_controller.update(metrics["actor/kl"], exp.batch.input_ids.shape[0])
     return metrics
+
+
+def with_timings(
+    metrics: dict[str, float], timings: dict[str, float], seconds: float, exp: Experience
+) -> dict[str, float]:
+    """The step's metrics with its timing_s/* phases, timing_s/step (`seconds`) and timing_s/other: what
+    no phase timed (the rollout worker's figures in the collection are not seconds, and the waits
+    overlap the phases: the trainer's inside gen, the worker's in another process)."""
+    timings = dict(timings, **{"timing_s/step": seconds})
+    phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k not in NOT_PHASES]
+    timings["timing_s/other"] = seconds - sum(phases)
+    return metrics | timings | {"perf/throughput": float(exp.batch.attention_mask.sum()) / seconds}
 
 
 NOT_PHASES = ("timing_s/step", "timing_s/wait_rollout", "timing_s/wait_train")
@@ -334,9 +326,9 @@ def step_draw(
     return StepDraw(rows, [prompts.records[i] for i in index], step_seed(seed, round_index, step, 4, *extra))
 
 
-def stream_prompts(n_prompts: int, cfg: PPOConfig, seed: int, round_index: int) -> Callable[[int], int]:
+def stream_prompts(n_prompts: int, cfg: RLConfig, seed: int, round_index: int) -> Callable[[int], int]:
     """rollout.async's group stream: group g -> the index of its prompt, the prompt a synchronous
-    run draws at position g % B of step g // B + 1 (B = ppo.rollout_batch)."""
+    run draws at position g % B of step g // B + 1 (B = rl.rollout_batch)."""
 
     @functools.lru_cache(maxsize=8)
     def drawn(step: int) -> list[int]:
@@ -352,7 +344,7 @@ def stream_draw(prompts: PromptSet, prompt_index: Callable[[int], int], groups: 
 
 
 def rollout_plan(
-    prompts: PromptSet, cfg: PPOConfig, objective: Objective, seed: int, round_index: int, generate_batch: int
+    prompts: PromptSet, cfg: RLConfig, objective: Objective, seed: int, round_index: int, generate_batch: int
 ) -> Callable[[int], StepPlan]:
     """step -> what the rollout worker samples for it: the step's draw, cut into generate requests."""
 
@@ -365,20 +357,3 @@ def rollout_plan(
 
 def make_controller(kl: KLConfig):
     return make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
-
-
-def run_evaluation(
-    models: PPOModels, prompts: PromptSet, sampling: SamplingParams, seed: int, batch_size: int, n_samples: int
-):
-    return evaluate_policy(
-        models.actor.model,
-        models.tokenizer,
-        prompts,
-        models.scoring,
-        sampling,
-        seed,
-        batch_size,
-        n_samples,
-        models.runtime.generate_kwargs(),
-        models.episodes,
-    )

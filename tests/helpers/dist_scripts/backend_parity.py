@@ -1,5 +1,6 @@
-"""Two SFT steps, two reward-model steps and one PPO step on a given backend; rank 0 writes the
-losses (JSON) and the updated weights (safetensors) so a test can compare backends.
+"""Two SFT steps, two reward-model steps, one PPO step and one GRPO step (opened by the RL-run entry
+point) on a given backend; rank 0 writes the losses (JSON) and the updated weights (safetensors) so a
+test can compare backends.
 
 usage: backend_parity.py OUT_DIR SFT_DIR RM_DIR SCORE_MEAN SCORE_STD ASSETS_DIR BACKEND [ZERO_STAGE ...]
 BACKEND "torch" runs in this one process; "deepspeed" under torchrun with any number of ranks.
@@ -15,23 +16,32 @@ from safetensors.torch import save_file
 from rlflow.engine.backend import dist
 from rlflow.engine.backend.runtime import OptimSpec
 from rlflow.engine.backend.factory import make_runtime
-from rlflow.engine.data.batching import batch_indices, encode_pair
+from rlflow.engine.data.batching import encode_pair
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.config.execution import EngineConfig
-from rlflow.engine.data.records import load_preference_pairs, load_prompts, load_sft_examples
-from rlflow.engine.stages.evaluation import encode_prompt_set
+from rlflow.engine.data.records import load_preference_pairs, load_sft_examples
 from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer
-from rlflow.engine.stages.rl.experience import Objective, make_experience
-from rlflow.engine.stages.rl.step import make_controller, ppo_step
-from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models
+from rlflow.engine.stages.catalog import stage_inputs
+from rlflow.engine.stages.inputs import ModelInput, RewardModelInput
+from rlflow.engine.stages.rl.experience import sample_and_score
+from rlflow.engine.stages.rl.inputs import RLUpstream
+from rlflow.engine.stages.rl.run import RLRun
+from rlflow.engine.stages.rl.step import step_draw
 from rlflow.engine.stages.reward_model import _pair_rows, rm_train_step
 from rlflow.engine.stages.sft import sft_train_step
 from rlflow.engine.stages.context import StageContext
-from rlflow.engine.seeds import step_seed
 
 
-def zero_gold(prompt, response, **fields):
-    return 0.0
+def open_rl(tree: dict, sft_dir: str, rm_dir: str, norm, assets: Path, runtime, critic: bool) -> RLRun:
+    """The RL steps of `tree` from the SFT policy, the reward model's scores normalised by `norm`."""
+    data = {"prompts": f"{assets}/data/prompts.jsonl", "eval_prompts": f"{assets}/data/eval_prompts.jsonl",
+            "max_prompt_tokens": 32}
+    cfg = build_config(tree | {"data": data}, "parity")
+    sft = ModelInput(uri=sft_dir, identity="parity")
+    upstream = RLUpstream(policy=sft, reference=sft, sft=sft,
+                          reward_model=RewardModelInput(uri=rm_dir, identity="parity", score_norm=norm),
+                          critic=ModelInput(uri=rm_dir, identity="parity") if critic else None)
+    return RLRun.open(runtime, stage_inputs(cfg, "rl", upstream))
 
 
 def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: EngineConfig) -> None:
@@ -60,28 +70,23 @@ def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: En
     result["rm"] = [rm_train_step(rm, runtime, rm_rows, ones, pad, 16, step, ctx) for step in (1, 2)]
     weights.update({f"rm.{k}": v for k, v in (rm.gathered_state_dict() or {}).items()})
 
-    tree = {"ppo": {"rollout_batch": 16, "mini_batch": 8, "epochs": 1}, "sampling": {"max_new_tokens": 16}}
-    cfg = build_config(tree, "parity")
-    models = load_ppo_models(
-        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir), cfg.model, cfg.ppo, zero_gold, runtime
-    )
-    records = load_prompts(f"{assets}/data/prompts.jsonl")
-    prompts, _, _ = encode_prompt_set(models.tokenizer, records, 32, "truncate", "prompts")
-    # The rollout ppo_step is about to draw (same seeds): chunk 0 is sampled by rank 0, chunk 1 by
-    # rank 1 (under ZeRO-3 with synced_gpus); record each chunk's longest response.
-    index = batch_indices(len(prompts.token_ids), 16, 1, 0, 0, 3)
-    objective = Objective.of(cfg)
-    rows = [prompts.token_ids[i] for i in index]
-    exp = make_experience(models, cfg.ppo, rows, 0.05, step_seed(0, 0, 1, 4), 8, objective=objective)
-    chunk_lengths = [int(exp.batch.response_mask[c * 8 : (c + 1) * 8].sum(1).max()) for c in (0, 1)]
-    metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 8, objective)
+    tree = {"rl": {"rollout_batch": 16, "mini_batch": 8, "epochs": 1}, "sampling": {"max_new_tokens": 16},
+            "rollout": {"generate_batch": 8}}
+    with open_rl(tree, sft_dir, rm_dir, norm, assets, runtime, critic=True) as rl_run:
+        # The rollout the step is about to draw (same seeds): chunk 0 is sampled by rank 0, chunk 1 by
+        # rank 1 (under ZeRO-3 with synced_gpus); record each chunk's longest response.
+        draw = step_draw(rl_run.prompts, 16, 1, step=1, seed=0, round_index=0)
+        drawn = sample_and_score(rl_run.models, rl_run.objective.sampling, draw.rows, draw.seed, 8, 1, draw.records)
+        chunk_lengths = [int(drawn.batch.response_mask[c * 8 : (c + 1) * 8].sum(1).max()) for c in (0, 1)]
+        metrics = rl_run.step(1)
+        models = rl_run.models
     result["ppo"] = {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
     weights.update({f"actor.{k}": v for k, v in (models.actor.gathered_state_dict() or {}).items()})
     weights.update({f"critic.{k}": v for k, v in (models.critic.gathered_state_dict() or {}).items()})
     # GRPO: critic-free, 2 samples per prompt, the KL as a loss term, per-sequence loss averaging;
     # mini-batches of 4 prompts x 2 samples, split over the ranks and cut by the token budget.
     tree = {
-        "ppo": {
+        "rl": {
             "rollout_batch": 8,
             "mini_batch": 4,
             "epochs": 1,
@@ -93,12 +98,9 @@ def run(out: Path, sft_dir: str, rm_dir: str, norm, assets: Path, engine_cfg: En
         "rollout": {"n": 2, "generate_batch": 8},
         "reward": {"sources": [{"name": "rm", "type": "model"}]},
     }
-    grpo_cfg = build_config(tree, "parity-grpo")
-    models = load_ppo_models(
-        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None), grpo_cfg.model, grpo_cfg.ppo, zero_gold, runtime
-    )
-    objective = Objective.of(grpo_cfg)
-    metrics = ppo_step(models, make_controller(grpo_cfg.kl), grpo_cfg.ppo, prompts, 0, 0, 1, 8, objective)
+    with open_rl(tree, sft_dir, rm_dir, norm, assets, runtime, critic=False) as rl_run:
+        metrics = rl_run.step(1)
+        models = rl_run.models
     result["grpo"] = {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
     weights.update({f"grpo.{k}": v for k, v in (models.actor.gathered_state_dict() or {}).items()})
     if dist.is_main():

@@ -22,18 +22,18 @@ def test_the_form_refuses_a_rollback_to_an_uncommitted_step_and_a_non_finite_coe
 
 
 def test_the_shown_command_hides_secret_override_values():
-    shown = json.loads(shown_command("c.yaml", ["ppo.steps=3", "run.storage_options.secret=abc123"]))
+    shown = json.loads(shown_command("c.yaml", ["rl.steps=3", "run.storage_options.secret=abc123"]))
     assert shown["config"] == "c.yaml"
-    assert shown["overrides"][0] == "ppo.steps=3"
+    assert shown["overrides"][0] == "rl.steps=3"
     assert "abc123" not in json.dumps(shown) and shown["overrides"][1].startswith("run.storage_options.secret=")
 
 
 def test_continuing_after_a_kl_breach_suggests_room_above_the_kl_seen(small_assets, tmp_path, monkeypatch):
     config = build_config(small_config_tree(small_assets, tmp_path, run={"name": "r1"}), "t")
-    monkeypatch.setenv(COMMAND_ENV, shown_command("my config.yaml", ["ppo.steps=9", "kl.pause_above=0.1"]))
+    monkeypatch.setenv(COMMAND_ENV, shown_command("my config.yaml", ["rl.steps=9", "kl.pause_above=0.1"]))
     breach = Breach(reason=BREACH_KL, step=4, metrics={"safety/max_kl": 0.1, "actor/kl": 0.35}, message="kl")
     # the old pause_above is replaced: 2 x the larger of the limit (0.1) and the KL seen (0.35)
-    assert continue_command(config, breach) == "rlflow run 'my config.yaml' ppo.steps=9 run.name=r1 kl.pause_above=0.7"
+    assert continue_command(config, breach) == "rlflow run 'my config.yaml' rl.steps=9 run.name=r1 kl.pause_above=0.7"
 
 
 def test_continuing_asks_again_for_secret_values_it_never_kept(small_assets, tmp_path, monkeypatch):

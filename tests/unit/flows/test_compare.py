@@ -29,7 +29,7 @@ PPO = {
 ALPHA = {
     0: {
         "rm": (10.0, {"rm/accuracy": [(0, 0.6), (5, 0.7)]}),  # the latest value: 0.7
-        "ppo": (30.0, PPO),
+        "rl": (30.0, PPO),
         "eval": (20.0, eval_metrics(before=0.1, after=0.4, rm_score=2.5, kl=0.05)),
     },
     1: {"eval": (5.0, eval_metrics(before=0.4, after=0.45, rm_score=3.0, kl=0.125))},
@@ -61,7 +61,7 @@ def test_collect_reads_each_round_of_each_run_from_its_children(store):
     assert found == parents
     assert [(r.run, r.round_index) for r in records] == [("alpha", 0), ("alpha", 1), ("beta", 0)]
     first = records[0]
-    assert set(first.children) == {"rm", "ppo", "eval"}
+    assert set(first.children) == {"rm", "rl", "eval"}
     assert first.values == pytest.approx(
         {
             "gold_before": 0.1,
@@ -69,7 +69,7 @@ def test_collect_reads_each_round_of_each_run_from_its_children(store):
             "rm_score": 2.5,
             "kl": 0.05,
             "rm_acc": 0.7,
-            "ppo_tok_s": 200.0,
+            "rl_tok_s": 200.0,
             "seconds": 60.0,  # 10 + 30 + 20: the round's stages' wall seconds
         }
     )
@@ -79,7 +79,7 @@ def test_collect_reads_each_round_of_each_run_from_its_children(store):
         "response_length/mean": [(1, 10.0), (2, 12.0), (3, 11.0)],
     }
     second = records[1]
-    assert "rm_acc" not in second.values and "ppo_tok_s" not in second.values and second.curves == {}
+    assert "rm_acc" not in second.values and "rl_tok_s" not in second.values and second.curves == {}
     assert second.values["gold_after"] == 0.45 and second.values["seconds"] == pytest.approx(5.0)
 
 
@@ -114,7 +114,7 @@ def test_the_table_has_a_row_per_round_and_a_dash_for_what_a_round_lacks(store, 
     price_rounds(tracker.client, parents, records, load_price_book(price_file(tmp_path, 3.6)))
     lines = format_compare_table(records, "EUR").splitlines()
     assert lines[0].split() == [
-        "run", "round", "gold_before", "gold_after", "rm_score", "kl", "rm_acc", "ppo_tok_s", "seconds", "cost_EUR",
+        "run", "round", "gold_before", "gold_after", "rm_score", "kl", "rm_acc", "rl_tok_s", "seconds", "cost_EUR",
     ]  # fmt: skip
     assert lines[1].split() == ["alpha", "0", "0.1000", "0.4000", "2.5000", "0.0500", "0.7000", "200.0", "60.0", "0.06"]
     assert lines[2].split() == ["alpha", "1", "0.4000", "0.4500", "3.0000", "0.1250", "-", "-", "5.0", "0.005"]
@@ -125,7 +125,7 @@ def test_the_table_has_a_row_per_round_and_a_dash_for_what_a_round_lacks(store, 
 def test_a_cell_is_a_dash_when_missing_and_rounded_by_its_column():
     assert format_cell(None) == "-" and format_cell(float("nan")) == "-"
     assert format_cell(0.123456) == "0.1235" and format_cell(7) == "7"
-    assert format_cell(1234.56, "seconds") == "1234.6" and format_cell(99.04, "ppo_tok_s") == "99.0"
+    assert format_cell(1234.56, "seconds") == "1234.6" and format_cell(99.04, "rl_tok_s") == "99.0"
     assert format_cell(0.000123456, "cost") == "0.0001235"
 
 

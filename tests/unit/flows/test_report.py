@@ -9,7 +9,7 @@ import pytest
 from conftest import small_config_tree
 from helpers.mlflow_runs import eval_metrics, record_run, tracker_at
 from rlflow.engine.config.schema import build_config
-from rlflow.engine.stages.label_eval import RESULTS_FILE
+from rlflow.engine.stages.round_eval import RESULTS_FILE
 from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
 from rlflow.flows.compare import RoundRecord
 from rlflow.flows.report import build_report, render_report, sample_rows
@@ -17,7 +17,7 @@ from rlflow.flows.report import build_report, render_report, sample_rows
 ROUNDS = {
     0: {
         "rm": (4.0, {"rm/accuracy": [(0, 0.625)]}),
-        "ppo": (10.0, {"perf/throughput": [(1, 50.0), (2, 70.0)], "critic/score/mean": [(1, 0.2), (2, 0.5)]}),
+        "rl": (10.0, {"perf/throughput": [(1, 50.0), (2, 70.0)], "critic/score/mean": [(1, 0.2), (2, 0.5)]}),
         "eval": (6.0, eval_metrics(before=0.125, after=0.375, rm_score=1.5, kl=0.25)),
     },
     1: {"eval": (2.5, eval_metrics(before=0.375, after=0.5, rm_score=2.0, kl=0.75))},
@@ -72,7 +72,7 @@ def test_the_report_shows_the_run_its_rounds_numbers_and_samples(run):
     assert "<div class=meta>2 round(s); numbers read back from MLflow</div>" in report
     table = re.search(r"<table id=rounds>(.*?)</table>", report).group(1)
     header = re.findall(r"<th>(.*?)</th>", table)
-    assert header == ["round", "gold_before", "gold_after", "rm_score", "kl", "rm_acc", "ppo_tok_s", "seconds"]
+    assert header == ["round", "gold_before", "gold_after", "rm_score", "kl", "rm_acc", "rl_tok_s", "seconds"]
     rows = [re.findall(r"<td class=n>(.*?)</td>", row) for row in re.findall(r"<tr><td class=n>.*?</tr>", table)]
     assert rows == [
         ["0", "0.1250", "0.3750", "1.5000", "0.2500", "0.6250", "60.0", "20.0"],

@@ -94,16 +94,16 @@ def test_many_long_params_are_batched(tracker):
 
 def test_child_runs_find_or_create(tracker):
     parent = tracker.parent_run("demo", TREE)
-    child = tracker.child_run(parent, 0, "ppo")
-    assert tracker.child_run(parent, 0, "ppo") == child
-    assert RunTracker(tracker.tracking_uri, tracker.experiment_name).child_run(parent, 0, "ppo") == child
-    others = {tracker.child_run(parent, 0, "sft"), tracker.child_run(parent, 1, "ppo")}
+    child = tracker.child_run(parent, 0, "rl")
+    assert tracker.child_run(parent, 0, "rl") == child
+    assert RunTracker(tracker.tracking_uri, tracker.experiment_name).child_run(parent, 0, "rl") == child
+    others = {tracker.child_run(parent, 0, "sft"), tracker.child_run(parent, 1, "rl")}
     assert child not in others and len(others) == 2
     run = tracker.client.get_run(child)
     tags = run.data.tags
     assert tags["mlflow.parentRunId"] == parent and tags["rlflow.kind"] == "child"
-    assert tags["rlflow.round"] == "0" and tags["rlflow.stage"] == "ppo"
-    assert run.info.run_name == "round_0/ppo" and run.info.status == "RUNNING"
+    assert tags["rlflow.round"] == "0" and tags["rlflow.stage"] == "rl"
+    assert run.info.run_name == "round_0/rl" and run.info.status == "RUNNING"
     tracker.finish(child)
     assert tracker.client.get_run(child).info.status == "FINISHED"
     with pytest.raises(ValueError):
@@ -111,7 +111,7 @@ def test_child_runs_find_or_create(tracker):
 
 
 def test_sink_skips_steps_already_logged_after_resume(tracker):
-    run_id = tracker.child_run(tracker.parent_run("demo", TREE), 0, "ppo")
+    run_id = tracker.child_run(tracker.parent_run("demo", TREE), 0, "rl")
     sink = tracker.sink(run_id)
     for step in range(1, 6):
         sink.log_metrics({"actor/pg_loss": float(step), "kl": 0.1 * step}, step)
@@ -163,10 +163,11 @@ def test_set_tags_and_mark_crashed_children(tracker):
     assert tracker.client.get_run(crashed).info.status == "RUNNING"
 
 
-def test_a_stage_continued_under_a_changed_config_tags_the_changed_keys(tracker, store, tmp_path):
+def test_a_stage_continued_under_a_changed_config_tags_the_changed_keys(tracker, store, tmp_path, monkeypatch):
     from rlflow.engine.config.schema import build_config
     from rlflow.engine.stages.context import StageOutcome
-    from rlflow.tasks.stages import StageSpec, _run_tracked
+    from rlflow.tasks import stages
+    from rlflow.tasks.stages import StageSpec, stage_task
 
     tracking = {"uri": store[1], "experiment": tracker.experiment_name}
     tree = {"run": {"name": "t", "root": str(tmp_path)}, "tracking": tracking}
@@ -183,7 +184,9 @@ def test_a_stage_continued_under_a_changed_config_tags_the_changed_keys(tracker,
         skipped=True,
         changed_keys=("eval.x",),
     )
-    result = _run_tracked(config, spec, None, lambda ctx: kept)
+    monkeypatch.setattr(stages, "call_inputs", lambda config, call: None)  # the stage itself is not run:
+    monkeypatch.setattr(stages, "run_stage", lambda ctx, inputs: kept)  # its outcome is given
+    result = stage_task.fn(config, spec, StageOutcome(**dict(kept)))  # any record as the upstream
     assert tracker.client.get_run(result.mlflow_run_id).data.tags["rlflow.changed_keys"] == "eval.x"
 
 
@@ -191,7 +194,7 @@ def test_the_champion_alias_follows_the_flow_decisions_in_a_real_registry(tracke
     from rlflow.tasks.tracking import CHAMPION_ALIAS, TAG_PROMOTION, point_champion_alias, record_promotion
     from rlflow.tasks.tracking import register_policy
 
-    run_id = tracker.child_run(tracker.parent_run("gated", {}), 0, "ppo")
+    run_id = tracker.child_run(tracker.parent_run("gated", {}), 0, "rl")
     client, name = tracker.client, "gated-policy"
 
     def register(r):

@@ -15,6 +15,7 @@ from rlflow.engine.config.kl import DEFAULT_ESTIMATOR, DEFAULT_KL_IN_LOSS, KLCon
 from rlflow.engine.config.execution import RolloutConfig
 from rlflow.engine.config.methods import ALGORITHMS, AlgorithmConfig, RewardConfig
 from rlflow.engine.config.sampling import SamplingConfig, SamplingParams
+from rlflow.engine.config.stages import PPOConfig
 from rlflow.engine.stages.rl.experience import Objective
 
 T = torch.tensor
@@ -122,6 +123,7 @@ def test_the_kl_section_resolves_where_the_kl_goes_and_its_estimator():
             "sampling": SamplingConfig(temperature=0.7, max_new_tokens=9),
             "rollout": RolloutConfig(n=4),
             "reward": RewardConfig(),
+            "ppo": PPOConfig(lam=0.9) if name == "ppo" else None,
         }
         return Objective.of(types.SimpleNamespace(**sections))
 
@@ -132,6 +134,7 @@ def test_the_kl_section_resolves_where_the_kl_goes_and_its_estimator():
     assert objective("grpo", in_loss=False).kl_estimator == "k1"
     assert objective("grpo", estimator="k3").kl_estimator == "k3"
     assert grpo.sampling == SamplingParams(0.7, 1.0, 9) and grpo.group_size == 4
+    assert ppo.lam == 0.9 and grpo.lam == Objective().lam  # ppo.* only for PPO: GRPO has no GAE
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo"])

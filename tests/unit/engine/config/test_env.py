@@ -37,7 +37,7 @@ def test_a_wrong_env_is_one_line_naming_it(env, message):
     ({"algorithm": {"name": "dpo"}}, "algorithm.name=dpo trains on preference pairs, not episodes"),
     ({"rollout": {"mode": "server"}}, "env with rollout.mode=server is not supported yet"),
     ({"engine": {"backend": "deepspeed", "zero_stage": 3}}, "env with engine.zero_stage=3 is not supported yet"),
-    ({"ppo": {"loss_agg": "seq-mean-token-sum-norm"}}, "ppo.loss_agg=seq-mean-token-sum-norm divides by"),
+    ({"rl": {"loss_agg": "seq-mean-token-sum-norm"}}, "rl.loss_agg=seq-mean-token-sum-norm divides by"),
     ({"reward": {"overlong_buffer": 4}}, "reward.overlong_buffer ramps over one response's sampling.max_new_tokens"),
     ({"data": {"chat_template": "none"}}, r"env needs the tokenizer's chat template .*set data.chat_template=auto"),
     ({"run": {"rounds": 2}, "reward": {"sources": [{"name": "rm", "type": "model"}]}},

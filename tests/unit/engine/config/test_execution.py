@@ -13,15 +13,15 @@ from rlflow.engine.config.execution import (
     StagePolicy,
 )
 
-STAGES = ("sft", "label", "rm", "ppo", "dpo", "eval")
+STAGES = ("sft", "label", "rm", "rl", "dpo", "eval")
 
 
 def test_a_stage_policy_takes_each_unset_key_from_stage_and_keeps_a_set_zero():
     stage = StageConfig(
-        retries=2, retry_delay_s=5.0, hang_timeout_s=100.0, ppo=StagePolicy(retries=0, hang_timeout_s=7.0)
+        retries=2, retry_delay_s=5.0, hang_timeout_s=100.0, rl=StagePolicy(retries=0, hang_timeout_s=7.0)
     )
-    assert stage.policy("ppo") == StagePolicy(retries=0, retry_delay_s=5.0, hang_timeout_s=7.0)
-    for name in set(STAGES) - {"ppo"}:
+    assert stage.policy("rl") == StagePolicy(retries=0, retry_delay_s=5.0, hang_timeout_s=7.0)
+    for name in set(STAGES) - {"rl"}:
         assert stage.policy(name) == StagePolicy(retries=2, retry_delay_s=5.0, hang_timeout_s=100.0), name
     defaults = StageConfig().policy("sft")
     assert (defaults.retries, defaults.retry_delay_s, defaults.hang_timeout_s) == (0, 10.0, 3600.0)

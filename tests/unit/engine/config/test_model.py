@@ -22,7 +22,7 @@ def test_target_modules_must_name_a_module_or_be_all_linear(targets):
 def test_lora_defaults_and_valid_targets():
     lora = LoraConfig()
     assert (lora.r, lora.alpha, lora.target_modules) == (8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    assert lora.stages == ["sft", "rm", "ppo", "dpo"]
+    assert lora.stages == ["sft", "rm", "rl", "dpo"]
     assert LoraConfig(target_modules="all-linear").target_modules == "all-linear"
     with pytest.raises(ValidationError):
         LoraConfig(stages=["eval"])  # eval trains nothing
@@ -40,8 +40,8 @@ def test_the_gguf_file_is_a_name_inside_model_path():
 
 
 def test_each_stage_gets_the_adapters_only_if_it_is_listed():
-    lora = LoraConfig(stages=["rm", "ppo"])
+    lora = LoraConfig(stages=["rm", "rl"])
     model = ModelConfig(lora=lora)
-    assert [model.lora_for(s) is lora for s in ("sft", "rm", "ppo", "dpo")] == [False, True, True, False]
+    assert [model.lora_for(s) is lora for s in ("sft", "rm", "rl", "dpo")] == [False, True, True, False]
     assert model.lora_for("sft") is None
-    assert ModelConfig().lora_for("ppo") is None  # no lora section: every weight trains
+    assert ModelConfig().lora_for("rl") is None  # no lora section: every weight trains

@@ -33,8 +33,8 @@ def test_secrets_are_split_out_and_merged_back():
 
 def test_diff_keys_names_changed_leaves():
     a = Config().model_dump(mode="json")
-    b = Config.model_validate({"ppo": {"steps": 99}}).model_dump(mode="json")
-    assert diff_keys(a, b) == ["ppo.steps"]
+    b = Config.model_validate({"rl": {"steps": 99}}).model_dump(mode="json")
+    assert diff_keys(a, b) == ["rl.steps"]
 
 
 def test_which_key_paths_are_secret():
@@ -55,7 +55,7 @@ def test_flatten_stops_at_secret_sections_and_empty_secrets_stay_public():
 
 def test_overrides_and_urls_are_shown_without_their_secrets():
     assert redact_override("run.storage_options.key=AKIA1234") == "run.storage_options.key=***"
-    assert redact_override("ppo.steps=3") == "ppo.steps=3"
+    assert redact_override("rl.steps=3") == "rl.steps=3"
     assert redact_override("hf_token") == "hf_token"  # no value to hide
     assert shown_url("https://user:tok@mlflow.example/api?token=x") == "https://***@mlflow.example/api"
     assert shown_url("http://host:5000/p?q=1") == "http://host:5000/p"

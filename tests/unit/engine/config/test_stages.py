@@ -1,4 +1,4 @@
-"""The training-stage sections (rlflow.engine.config.stages): PPO's mini-batches must tile its
+"""The stage sections (rlflow.engine.config.stages): the RL loop's mini-batches must tile its
 rollout batch (the refusal proposes both fixes), and the bounds and defaults of the others."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from rlflow.engine.config.stages import EvalConfig, LabelConfig, PPOConfig, RewardModelConfig, SFTConfig
+from rlflow.engine.config.stages import EvalConfig, LabelConfig, PPOConfig, RewardModelConfig, RLConfig, SFTConfig
 
 
 @pytest.mark.parametrize(
@@ -17,25 +17,25 @@ def test_a_mini_batch_that_does_not_divide_the_batch_is_refused_with_both_fixes(
     rollout_batch, mini_batch, divisor, multiple
 ):
     message = (
-        f"ppo.rollout_batch={rollout_batch} is not a multiple of ppo.mini_batch={mini_batch}: every mini-batch is one"
-        " optimizer step, so all must be the same size; set ppo.mini_batch to a divisor of ppo.rollout_batch"
-        f" (e.g. {divisor}) or ppo.rollout_batch to a multiple of ppo.mini_batch (e.g. {multiple})"
+        f"rl.rollout_batch={rollout_batch} is not a multiple of rl.mini_batch={mini_batch}: every mini-batch is one"
+        " optimizer step, so all must be the same size; set rl.mini_batch to a divisor of rl.rollout_batch"
+        f" (e.g. {divisor}) or rl.rollout_batch to a multiple of rl.mini_batch (e.g. {multiple})"
     )
     with pytest.raises(ValidationError, match=re.escape(message)):
-        PPOConfig(rollout_batch=rollout_batch, mini_batch=mini_batch)
+        RLConfig(rollout_batch=rollout_batch, mini_batch=mini_batch)
 
 
 def test_mini_batches_that_tile_the_batch_pass():
-    assert PPOConfig(rollout_batch=64, mini_batch=16).mini_batch == 16
-    assert PPOConfig(rollout_batch=5, mini_batch=5).rollout_batch == 5
-    assert (PPOConfig().rollout_batch, PPOConfig().mini_batch) == (64, 32)
+    assert RLConfig(rollout_batch=64, mini_batch=16).mini_batch == 16
+    assert RLConfig(rollout_batch=5, mini_batch=5).rollout_batch == 5
+    assert (RLConfig().rollout_batch, RLConfig().mini_batch) == (64, 32)
 
 
 @pytest.mark.parametrize(
     ("cls", "keys", "field"),
     [(SFTConfig, {"max_seq_tokens": 7}, "max_seq_tokens"), (SFTConfig, {"lr": 0}, "lr"),
-     (RewardModelConfig, {"norm_samples": 1}, "norm_samples"), (PPOConfig, {"gamma": 1.5}, "gamma"),
-     (PPOConfig, {"loss_agg": "sum"}, "loss_agg"), (PPOConfig, {"critic_init": "random"}, "critic_init"),
+     (RewardModelConfig, {"norm_samples": 1}, "norm_samples"), (RLConfig, {"gamma": 1.5}, "gamma"),
+     (RLConfig, {"loss_agg": "sum"}, "loss_agg"), (PPOConfig, {"critic_init": "random"}, "critic_init"),
      (EvalConfig, {"curve_prompts": 0}, "curve_prompts"), (LabelConfig, {"eval_fraction": 1.0}, "eval_fraction")],
 )  # fmt: skip
 def test_out_of_range_values_name_their_field(cls, keys, field):

@@ -242,7 +242,7 @@ overrides = st.one_of(
 @FUZZ
 @given(texts=st.lists(overrides, max_size=3))
 @example(texts=["run.seed=2024-13-45"])
-@example(texts=["ppo=1", "ppo.steps=2"])
+@example(texts=["ppo=1", "rl.steps=2"])
 def test_load_config_on_random_overrides(folder, texts):
     path = folder / "base.yaml"
     path.write_text("ppo:\n  steps: 5\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers.workloads import workload
-from rlflow.engine.estimate.cost import estimate_ppo, recommend
+from rlflow.engine.estimate.cost import estimate_rl, recommend
 from rlflow.engine.estimate.hardware import device_spec, load_price_book
 from rlflow.engine.estimate.memory import (
     partitioned_states,
@@ -31,7 +31,7 @@ LLAMA_8B = REFERENCE_SHAPES["Llama-3.1-8B"]
 
 
 def test_cost_is_hours_times_gpus_times_price():
-    estimate = estimate_ppo(workload(LLAMA_8B), Strategy(3, 8), A100, "USD")
+    estimate = estimate_rl(workload(LLAMA_8B), Strategy(3, 8), A100, "USD")
     assert estimate.gpu_hours == pytest.approx(estimate.step.total * 100 / 3600 * 8)
     assert estimate.cost == pytest.approx(estimate.gpu_hours * A100.price_per_gpu_hour)
 
@@ -50,7 +50,7 @@ def test_deepspeed_chat_opt13b_on_8_a100s_is_within_a_factor_of_two_of_the_publi
         actor, small, actor, small, rollout_batch=128, prompt_tokens=256, response_tokens=256, mini_batch=128,
         epochs=1, steps=-(-131_900 // 128), generate_batch=16, precision=BF16, micro_batch_size=16,
     )  # fmt: skip
-    hours = estimate_ppo(w, Strategy(3, 8, gradient_checkpointing=True), A100, "USD").total_hours
+    hours = estimate_rl(w, Strategy(3, 8, gradient_checkpointing=True), A100, "USD").total_hours
     assert 9 / 2 < hours < 9 * 2
 
 
@@ -63,7 +63,7 @@ def dpo_workload(**changes) -> DPOWorkload:
 
 def test_dpo_holds_one_model_per_phase_and_runs_the_reference_pass_once():
     w, s = dpo_workload(), Strategy(3, 8, gradient_checkpointing=True)
-    e = estimate_ppo(w, s, A100, "USD")
+    e = estimate_rl(w, s, A100, "USD")
     reference, training = e.memory.phases
     assert (reference.phase, training.phase) == ("reference", "training")
     # The reference pass runs before the policy is loaded; the reference is freed before training.
@@ -82,7 +82,7 @@ def test_dpo_reference_pass_is_a_forward_over_what_one_epoch_trains_on():
     # Compute-bound and without ZeRO-3 gathers: the pass over 1000 pairs costs a forward where an
     # epoch over the same pairs costs forward + backward (3 forwards), at their MFUs.
     w, s = dpo_workload(epochs=1), Strategy(1, 8)
-    e = estimate_ppo(w, s, A100, "USD")
+    e = estimate_rl(w, s, A100, "USD")
     gpu = EFFICIENCY["gpu"]
     ratio = (1 / gpu.forward_mfu) / (3 / gpu.train_mfu)
     assert e.setup_s / (e.step.training * e.steps) == pytest.approx(ratio, rel=0.03)

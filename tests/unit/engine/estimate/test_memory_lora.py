@@ -9,7 +9,7 @@ import pytest
 from helpers.workloads import workload
 from rlflow.engine.config.model import LoraConfig
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.estimate.cost import candidate_plans, estimate_ppo, recommend
+from rlflow.engine.estimate.cost import candidate_plans, estimate_rl, recommend
 from rlflow.engine.estimate.hardware import device_spec, load_price_book
 from rlflow.engine.estimate.memory import GPU_FRAGMENTATION, estimate_dpo_memory, estimate_memory
 from rlflow.engine.estimate.model_shape import REFERENCE_SHAPES, LoraShape, load_model_shape
@@ -125,6 +125,6 @@ def test_dpo_with_lora_trains_the_adapters_and_holds_the_base():
     assert lora["actor_weights"] == pytest.approx((LLAMA_8B.lm_params + adapters) * BF16.weight_bytes)
     assert lora["optimizer_states"] == pytest.approx(adapters * BF16.optimizer_bytes)
     assert full["optimizer_states"] / lora["optimizer_states"] > 500
-    assert estimate_ppo(replace(dpo, lora=QKVO), TORCH, H100, "USD").step.training < (
-        estimate_ppo(dpo, TORCH, H100, "USD").step.training
+    assert estimate_rl(replace(dpo, lora=QKVO), TORCH, H100, "USD").step.training < (
+        estimate_rl(dpo, TORCH, H100, "USD").step.training
     )

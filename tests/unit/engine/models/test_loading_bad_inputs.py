@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 from conftest import sft_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import make_ctx, run
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.errors import CheckpointError, ConfigError
 from rlflow.engine.faults import FAULT_ENV
 from rlflow.engine.models.loading import check_shared_vocabulary, load_tokenizer
-from rlflow.engine.stages.sft import run_sft_stage
 from rlflow.engine.stages.context import StageContext
 
 
@@ -38,7 +37,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_last_committed_step(small_asset
     cfg, url = sft_config(small_assets, tmp_path, max_steps=4), f"{tmp_path}/sft"
     monkeypatch.setenv(FAULT_ENV, "sft:disk_full:4")
     with pytest.raises(CheckpointError) as info:
-        run_sft_stage(sft_context(url, every_steps=2), sft_inputs(cfg))
+        run(sft_context(url, every_steps=2), sft_inputs(cfg))
     assert str(info.value) == (
         f"no space left on device while writing checkpoint {url}/step_000004 (file optim/model.rank00000.safetensors);"
         " the step was not committed and earlier steps are intact: free space (or lower checkpoint.keep_last) and"
@@ -51,7 +50,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_last_committed_step(small_asset
     committed = step_files(store, 2)
 
     monkeypatch.delenv(FAULT_ENV)
-    outcome = run_sft_stage(sft_context(url, every_steps=2), sft_inputs(cfg))
+    outcome = run(sft_context(url, every_steps=2), sft_inputs(cfg))
     assert (outcome.resumed_from, outcome.step) == (2, 4)
     assert step_files(store, 2) == committed  # resuming read step 2 and left it as it was
     assert store.committed_steps() == [2, 4] and store.final()["step"] == 4
@@ -79,7 +78,7 @@ def test_tokenizer_without_pad_token_pads_with_another_special_token_and_trains(
     assert len(tokenizer) == len(plain)
     cfg = sft_config(small_assets, tmp_path, max_steps=1)
     ctx = sft_context(f"{tmp_path}/sft", every_steps=1)
-    outcome = run_sft_stage(ctx, sft_inputs(cfg, str(no_pad_model)))
+    outcome = run(ctx, sft_inputs(cfg, str(no_pad_model)))
     assert outcome.step == 1 and ctx.store.committed_steps() == [1]
     losses = [v for _, v in ctx.sink.series("sft/loss")]
     assert len(losses) == 1 and 0 < losses[0] < 100

@@ -8,18 +8,19 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from conftest import RecordingSink, rm_inputs, sft_inputs, small_config_tree
 from helpers.stage_ctx import make_ctx as sft_rm_ctx
+from helpers.stage_ctx import run
+from safetensors import safe_open
+
 from rlflow.engine.backend.runtime import LossParts, OptimSpec, Runtime
-from rlflow.engine.data.batching import encode_pair, right_pad
-from rlflow.engine.config.schema import build_config
 from rlflow.engine.config.execution import EngineConfig
 from rlflow.engine.config.model import LoraConfig
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.data.batching import encode_pair, right_pad
 from rlflow.engine.data.records import load_sft_examples
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.storage.export import ModelCard, export_policy
+from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer, scalar_head
 from rlflow.engine.models.lora import (
     POINTER,
     adapters_disabled,
@@ -31,9 +32,8 @@ from rlflow.engine.models.lora import (
     save_lora_dir,
     trainable_parameters,
 )
-from rlflow.engine.models.loading import load_policy, load_scalar_model, load_tokenizer, scalar_head
-from rlflow.engine.stages.reward_model import run_reward_model_stage
-from rlflow.engine.stages.sft import response_token_loss, run_sft_stage
+from rlflow.engine.stages.sft import response_token_loss
+from rlflow.engine.storage.export import ModelCard, export_policy
 
 LORA = {"r": 4, "alpha": 8.0}
 SFT = {"max_steps": 6, "eval_every": 3, "log_every": 1, "patience": 10, "batch_size": 16, "lr": 1e-2}
@@ -66,7 +66,7 @@ def lora_sft(small_assets, tmp_path_factory):
     """A finished LoRA SFT stage: (config, its StageOutcome, run root)."""
     root = tmp_path_factory.mktemp("lora-sft")
     cfg = build_config(small_config_tree(small_assets, root, sft=SFT, model={"lora": LORA}), "t")
-    return cfg, run_sft_stage(make_ctx(root, "sft"), sft_inputs(cfg)), root
+    return cfg, run(make_ctx(root, "sft"), sft_inputs(cfg)), root
 
 
 def test_trainable_parameter_counts_match_the_hand_count(small_assets):
@@ -193,7 +193,7 @@ def test_lora_sft_resumes_exactly(lora_sft, tmp_path):
     shutil.rmtree(tmp_path / "sft" / "step_000006")
     (tmp_path / "sft" / "final.json").unlink()
     sink = RecordingSink()
-    resumed = run_sft_stage(make_ctx(tmp_path, "sft", sink=sink), sft_inputs(cfg))
+    resumed = run(make_ctx(tmp_path, "sft", sink=sink), sft_inputs(cfg))
     assert resumed.resumed_from == 4 and [s for s, _ in sink.series("sft/loss")] == [5, 6]
     base_params = trainable_parameters(load_policy(cfg.model.path))[1]
     adapters = 2 * 4 * 4 * (128 + 128)  # as in the hand count above: r 4 on q/k/v/o of 2 layers
@@ -208,11 +208,11 @@ def test_lora_sft_resumes_exactly(lora_sft, tmp_path):
 def test_a_stage_training_the_embedding_whole_resumes_exactly_and_stays_tied(small_assets, tmp_path):
     lora = LORA | {"modules_to_save": ["embed_tokens"]}
     cfg = build_config(small_config_tree(small_assets, tmp_path, sft=SFT, model={"lora": lora}), "t")
-    done = run_sft_stage(make_ctx(tmp_path / "a", "sft"), sft_inputs(cfg))
+    done = run(make_ctx(tmp_path / "a", "sft"), sft_inputs(cfg))
     shutil.copytree(tmp_path / "a" / "sft", tmp_path / "b" / "sft")
     shutil.rmtree(tmp_path / "b" / "sft" / "step_000006")  # killed right after committing step 4
     (tmp_path / "b" / "sft" / "final.json").unlink()
-    resumed = run_sft_stage(make_ctx(tmp_path / "b", "sft"), sft_inputs(cfg))
+    resumed = run(make_ctx(tmp_path / "b", "sft"), sft_inputs(cfg))
     assert resumed.resumed_from == 4
     for name in ("model/adapter_model.safetensors", "optim/model.rank00000.safetensors"):
         with open(f"{done.checkpoint_uri}/{name}", "rb") as a, open(f"{resumed.checkpoint_uri}/{name}", "rb") as b:
@@ -234,7 +234,7 @@ def test_lora_reward_model_stacks_on_the_sft_adapters(lora_sft, small_assets, tm
     rm = {"epochs": 1, "batch_size": 32, "norm_samples": 16, "lr": 1e-2, "warmup_steps": 0}
     tree = small_config_tree(small_assets, tmp_path, rm=rm, data=data, model={"lora": LORA})
     rm_cfg = build_config(tree, "t")
-    outcome = run_reward_model_stage(make_ctx(tmp_path, "rm", every=100), rm_inputs(rm_cfg, sft_dir))
+    outcome = run(make_ctx(tmp_path, "rm", every=100), rm_inputs(rm_cfg, sft_dir))
     rm_dir = f"{outcome.checkpoint_uri}/model"
     pointer = json.load(open(f"{rm_dir}/{POINTER}"))
     assert pointer["adapters"] == ["parents/00", "."] and pointer["base"]["path"] == cfg.model.path

@@ -16,8 +16,8 @@ from rlflow.engine.rewards.sources import (
     LearnedSource,
     RewardSource,
     build_reward_source,
-    declared_rule,
-    judge_model_path,
+    named_source,
+    source_scorer,
     start_reward_pool,
 )
 from rlflow.engine.rollout.generate import RolloutBatch
@@ -162,14 +162,9 @@ def test_an_ensemble_source_is_rewarded_its_heads_mean_less_the_penalty_and_logs
 def test_the_declared_rule_is_built_as_the_pool_builds_its_source():
     valid = RewardSourceConfig(name="valid", type="format", weight=0.0, kwargs={"kind": "number"})
     reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model"), valid], valid="valid")
-    rule = declared_rule(reward, reward.valid)
+    assert named_source(reward, reward.valid) is valid and named_source(reward, None) is None
+    rule = source_scorer(named_source(reward, reward.valid), reward.on_error)
     assert [rule("p", r) for r in ("42", "forty-two", " 3.5 ")] == [1.0, 0.0, 1.0]
-    assert declared_rule(RewardConfig(), None) is None
-    assert declared_rule(reward, "rm") is None  # a reward model is no rule: the evaluation loads it
-    assert judge_model_path(reward) is None
-
-
-def test_a_second_reward_model_as_judge_is_found_by_its_folder():
-    second = RewardSourceConfig(name="rm2", type="model", weight=0.0, path="models/rm2")
-    reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model"), second], judge="rm2")
-    assert judge_model_path(reward) == "models/rm2" and declared_rule(reward, reward.judge) is None
+    assert source_scorer(None, "fail") is None
+    # a reward model is no rule: the evaluation loads it
+    assert source_scorer(named_source(reward, "rm"), "fail") is None

@@ -17,7 +17,7 @@ from rlflow.engine.envs.chat import ConversationEncoder
 from rlflow.engine.models.loading import token_logprobs
 from rlflow.engine.errors import DataError
 from rlflow.engine.rollout.episodes import EpisodeLimits, EpisodeSampler, run_episodes, trajectory_batch
-from rlflow.engine.stages.evaluation import encode_prompt_set
+from rlflow.engine.data.prompts import encode_prompt_set
 from rlflow.engine.tasksets.demo import make_chat_tokenizer, make_tiny_model
 
 CORPUS = ["what is 1234 times 5678", "the answer is 7006652", "result of the tool", "tool says 42 and 17"]

@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from conftest import RecordingSink, rl_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import make_ctx, run
 from rlflow.engine.config.execution import RolloutConfig
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.models.loading import load_tokenizer
-from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
 from rlflow.engine.rollout.generate import RolloutBatch
 from rlflow.engine.rollout.worker_samples import Generation
 from rlflow.engine.rollout.service import RolloutService
@@ -20,31 +19,25 @@ from rlflow.engine.rollout.weight_sync import WeightSyncError
 STEPS = 3
 
 
-def zero_gold(prompt, response, **fields):
-    return 0.0
-
-
-def run(trained, small_assets, tmp_path, name, mode, check_fingerprint=True):
+def train(trained, small_assets, tmp_path, name, mode, check_fingerprint=True):
     sft_dir, rm_dir, norm = trained
     cfg = build_config(
         small_config_tree(
             small_assets,
             tmp_path,
-            ppo={"steps": STEPS, "rollout_batch": 16, "mini_batch": 8, "actor_lr": 1e-3},
+            rl={"steps": STEPS, "rollout_batch": 16, "mini_batch": 8, "actor_lr": 1e-3},
             rollout={"mode": mode, "generate_batch": 8, "bucket_mb": 0.05, "check_fingerprint": check_fingerprint},
         ),
         "t",
     )
     sink = RecordingSink()
-    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
-    ctx = make_ctx(tmp_path / name, "ppo", sink=sink, every=100)
-    run_ppo_stage(ctx, rl_inputs(cfg, inputs, zero_gold, rollout=cfg.rollout))
+    run(make_ctx(tmp_path / name, "rl", sink=sink, every=100), rl_inputs(cfg, sft_dir, rm_dir, norm, critic=rm_dir))
     return sink
 
 
 def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets, tmp_path):
-    colocated = run(trained, small_assets, tmp_path, "colocated", "colocated")
-    served = run(trained, small_assets, tmp_path, "server", "server")
+    colocated = train(trained, small_assets, tmp_path, "colocated", "colocated")
+    served = train(trained, small_assets, tmp_path, "server", "server")
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "critic/vf_loss", "actor/kl"):
         expected = [v for _, v in colocated.series(key)]
         assert [v for _, v in served.series(key)] == pytest.approx(expected, abs=1e-4), key
@@ -62,7 +55,7 @@ def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets
 # The client-level tests (test_server.py) cover both faults with and without fingerprints;
 # here the PPO loop itself: the probe alone catches a skipped sync, the fingerprint a partial one.
 @pytest.mark.parametrize("fault,check_fingerprint", [("skip", False), ("partial", True)])
-def test_a_bad_sync_inside_the_ppo_loop_stops_the_stage(
+def test_a_bad_sync_inside_the_rl_loop_stops_the_stage(
     trained, small_assets, tmp_path, monkeypatch, fault, check_fingerprint
 ):
     real_sync = RolloutService.sync
@@ -84,7 +77,7 @@ def test_a_bad_sync_inside_the_ppo_loop_stops_the_stage(
     monkeypatch.setattr(RolloutService, "sync", faulty_sync)
     expected = "weight fingerprints differ" if check_fingerprint else r"log-prob diff max \S+ nats"
     with pytest.raises(WeightSyncError, match=expected):
-        run(trained, small_assets, tmp_path, fault, "server", check_fingerprint)
+        train(trained, small_assets, tmp_path, fault, "server", check_fingerprint)
 
 
 # --- the service's own bookkeeping, without a worker process ----------------------------------------

@@ -17,10 +17,10 @@ def _outcome(**fields):
 
 def test_an_outcome_with_a_breach_and_odd_metrics_survives_json_exactly():
     breach = Breach(reason="kl", step=7, metrics={"actor/kl": math.inf, "actor/kl_coef": math.nan}, message="m")
-    outcome = _outcome(breach=breach, changed_keys=("ppo.clip_ratio",), resumed_from=4)
+    outcome = _outcome(breach=breach, changed_keys=("rl.clip_ratio",), resumed_from=4)
     back = StageOutcome.model_validate_json(outcome.model_dump_json())
     assert back.breach.metrics["actor/kl"] == math.inf and math.isnan(back.breach.metrics["actor/kl_coef"])
-    assert back.changed_keys == ("ppo.clip_ratio",) and isinstance(back.changed_keys, tuple)
+    assert back.changed_keys == ("rl.clip_ratio",) and isinstance(back.changed_keys, tuple)
     assert (back.step, back.resumed_from, back.breach.reason) == (7, 4, "kl")
 
 

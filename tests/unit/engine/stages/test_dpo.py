@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from conftest import RecordingSink, assert_weights_agree, small_config_tree
-from helpers.stage_ctx import make_call, make_ctx
+from helpers.stage_ctx import inputs, make_call, make_ctx, model, run
 from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.config.execution import EngineConfig
 from rlflow.engine.config.execution import StageConfig
-from rlflow.engine.stages.dpo import DPOStageInputs, run_dpo_stage, sequence_logps
+from rlflow.engine.stages.dpo import DPOUpstream, sequence_logps
+from rlflow.engine.stages.inputs import LabelsInput
 from rlflow.engine.errors import DataError
 from rlflow.engine.faults import KILLED_EXIT_CODE
 from rlflow.engine.models.loading import load_policy, load_tokenizer
@@ -76,9 +77,13 @@ def dpo_ctx(root, identity="dpo-1", sink=None, engine=None):
     return make_ctx(root, "dpo", identity, 2, sink, keep_last=2, consolidate_every=2, runtime=Runtime(engine))
 
 
-def run(cfg, ctx, files=(), include_offline=True):
-    model = cfg.model.path  # the untrained tiny model is both the start and the reference
-    return run_dpo_stage(ctx, DPOStageInputs(model, model, cfg.model, cfg.dpo, cfg.data, files, include_offline))
+def dpo(cfg, ctx, labels=None, include_offline=True):
+    """The DPO stage from the untrained tiny model, both the start and the reference; `labels`: a
+    file of online pairs besides (dpo.include_offline) data.preferences."""
+    start = model(cfg.model.path)
+    cfg = cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"include_offline": include_offline})})
+    online = None if labels is None else LabelsInput(identity="online", train=labels)
+    return run(ctx, inputs(cfg, "dpo", DPOUpstream(init=start, reference=start, labels=online)))
 
 
 @contextmanager
@@ -106,7 +111,7 @@ def first_run(small_assets, dpo_data, tmp_path_factory):
     cfg = build_config(dpo_tree(small_assets, dpo_data, root), "t")
     sink = RecordingSink()
     with library_thread_drawing_random_numbers():  # the resume tests compare checkpoints with this run's
-        return cfg, root, sink, run(cfg, dpo_ctx(root, sink=sink))
+        return cfg, root, sink, dpo(cfg, dpo_ctx(root, sink=sink))
 
 
 def test_stage_learns_the_preferences(first_run):
@@ -134,7 +139,7 @@ def test_final_checkpoint_is_a_causal_lm_with_its_tokenizer(first_run):
     before = load_policy(cfg.model.path).state_dict()
     moved = [k for k, v in policy.state_dict().items() if v.is_floating_point() and not torch.equal(v, before[k])]
     assert len(moved) > len(before) // 2
-    again = run(cfg, dpo_ctx(root))  # finished: nothing runs twice
+    again = dpo(cfg, dpo_ctx(root))  # finished: nothing runs twice
     assert again.skipped and again.manifest_sha256 == outcome.manifest_sha256
 
 
@@ -148,7 +153,7 @@ def test_micro_batches_do_not_change_the_update(first_run, engine, tmp_path):
     last one short), or packed token-budget ones, give the one-batch update."""
     cfg, _, sink, outcome = first_run
     cut_sink = RecordingSink()
-    cut = run(cfg, dpo_ctx(tmp_path, sink=cut_sink, engine=engine))
+    cut = dpo(cfg, dpo_ctx(tmp_path, sink=cut_sink, engine=engine))
     assert len(cut_sink.series("dpo/loss")) == 8
     for (_, a), (_, b) in zip(sink.series("dpo/loss"), cut_sink.series("dpo/loss")):
         assert b == pytest.approx(a, abs=1e-5)
@@ -174,7 +179,7 @@ def test_lora_dpo_trains_adapters_only_and_its_checkpoint_loads_as_a_causal_lm(s
     tree = dpo_tree(small_assets, dpo_data, tmp_path, epochs=1, lr=1e-2)
     cfg = build_config(tree | {"model": tree["model"] | {"lora": {"r": 4}}}, "t")
     sink = RecordingSink()
-    outcome = run(cfg, dpo_ctx(tmp_path, sink=sink))
+    outcome = dpo(cfg, dpo_ctx(tmp_path, sink=sink))
     losses = [v for _, v in sink.series("dpo/loss")]
     assert len(losses) == 4 and losses[0] == pytest.approx(LOG2, abs=1e-4)
     merged = load_policy(f"{outcome.checkpoint_uri}/model").state_dict()  # the base with adapters merged in
@@ -189,7 +194,7 @@ def test_rpo_adds_the_chosen_nll_and_keeps_chosen_answers_likely(first_run, smal
     _, _, plain_sink, _ = first_run
     cfg = build_config(dpo_tree(small_assets, dpo_data, tmp_path, rpo_alpha=0.5), "t")
     sink = RecordingSink()
-    run(cfg, dpo_ctx(tmp_path, sink=sink))
+    dpo(cfg, dpo_ctx(tmp_path, sink=sink))
     (_, loss), (_, nll) = sink.series("dpo/loss")[0], sink.series("dpo/nll")[0]
     assert nll > 1.0  # the untrained model: several nats per token
     assert loss == pytest.approx(LOG2 + 0.5 * nll, abs=1e-4)  # step 1: policy == reference, DPO term log 2
@@ -202,12 +207,12 @@ def test_rpo_adds_the_chosen_nll_and_keeps_chosen_answers_likely(first_run, smal
 def test_no_pairs_is_a_clear_error(first_run, tmp_path):
     cfg = first_run[0]
     with pytest.raises(DataError, match="no preference pairs.*include_offline is false"):
-        run(cfg, dpo_ctx(tmp_path), files=(), include_offline=False)
+        dpo(cfg, dpo_ctx(tmp_path), include_offline=False)
 
 
 def test_online_pairs_alone_train(first_run, dpo_data, tmp_path):
     cfg = first_run[0]
-    outcome = run(cfg, dpo_ctx(tmp_path), files=(str(dpo_data / "preferences.jsonl"),), include_offline=False)
+    outcome = dpo(cfg, dpo_ctx(tmp_path), str(dpo_data / "preferences.jsonl"), include_offline=False)
     assert outcome.metrics["dpo/pairs"] == 64
 
 
@@ -219,7 +224,7 @@ def test_resumed_stage_ends_exactly_like_an_uninterrupted_one(first_run, tmp_pat
     shutil.rmtree(tmp_path / "dpo" / "step_000008")
     (tmp_path / "dpo" / "final.json").unlink()
     resumed_sink = RecordingSink()
-    resumed = run(cfg, dpo_ctx(tmp_path, sink=resumed_sink))
+    resumed = dpo(cfg, dpo_ctx(tmp_path, sink=resumed_sink))
     assert resumed.resumed_from == 6 and [s for s, _ in resumed_sink.series("dpo/loss")] == [7, 8]
     reference = {s: m for s, m in sink.metrics}
     for step, metrics in resumed_sink.metrics:
@@ -231,7 +236,7 @@ def test_resumed_stage_ends_exactly_like_an_uninterrupted_one(first_run, tmp_pat
     # (Recomputed reference values that differ from the checkpoint's, e.g. on other hardware, are reported.)
     (tmp_path / "dpo" / "final.json").unlink()
     monkeypatch.setattr("rlflow.engine.stages.dpo.logps_sha256", lambda logps: "other")
-    again = run(cfg, dpo_ctx(tmp_path))
+    again = dpo(cfg, dpo_ctx(tmp_path))
     assert again.resumed_from == 8 and again.metrics == outcome.metrics  # train metrics from the checkpoint
     assert "reference log-probs recomputed on resume differ" in caplog.text
 
@@ -253,8 +258,8 @@ def test_worker_killed_mid_stage_resumes_to_the_uninterrupted_checkpoint(first_r
     from helpers.stage_worker import finish_worker, start_worker
 
     _, ref_root, ref_sink, _ = first_run
-    model = str(small_assets / "tiny-model")
-    call = make_call(tmp_path, "dpo", init_path=model, reference_path=model)
+    start = str(small_assets / "tiny-model")
+    call = make_call(tmp_path, "dpo", DPOUpstream(init=model(start), reference=model(start)))
     tree = dpo_tree(small_assets, dpo_data, tmp_path)
     rc, killed_metrics, err = finish_worker(start_worker(tmp_path, tree, call, "update:5"))
     assert rc == KILLED_EXIT_CODE, err

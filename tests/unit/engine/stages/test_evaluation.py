@@ -1,6 +1,6 @@
-"""Evaluating a policy on the tiny demo model: prompts encoded (or all dropped, naming the file),
-and each metric against numbers recomputed from the same draw: gold score and its standard
-error, the reward model's normalised score, KL (zero to itself), length, valid fraction."""
+"""Evaluating a policy on the tiny demo model: each metric against numbers recomputed from the same
+draw: gold score and its standard error, the reward model's normalised score, KL (zero to itself),
+length, valid fraction."""
 
 import math
 
@@ -10,11 +10,11 @@ import torch
 from rlflow.engine.algorithms.stats import distinct_n
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.data.records import PromptRecord
-from rlflow.engine.errors import DataError
 from rlflow.engine.models.loading import load_policy, load_tokenizer
 from rlflow.engine.rewards.model_scores import ScoringModels
 from rlflow.engine.rollout.generate import generate_rollouts
-from rlflow.engine.stages.evaluation import encode_prompt_set, evaluate_policy
+from rlflow.engine.data.prompts import encode_prompt_set
+from rlflow.engine.stages.evaluation import evaluate_policy
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8)
 RECORDS = [PromptRecord(p, {"bonus": i}) for i, p in enumerate(["1 + 1 =", "2 + 5 =", "hello", "3 x 3 ="])]
@@ -34,15 +34,6 @@ def gold(prompt, response, bonus):
 def tiny(small_assets):
     model_dir = str(small_assets / "tiny-model")
     return load_policy(model_dir).eval(), load_tokenizer(model_dir)
-
-
-def test_prompts_are_encoded_in_order_and_an_empty_set_names_the_file(tiny):
-    _, tokenizer = tiny
-    prompts, truncated, dropped = encode_prompt_set(tokenizer, RECORDS, 64, "drop", "eval.jsonl")
-    assert prompts.records == tuple(RECORDS) and (truncated, dropped) == (0, 0)
-    assert list(prompts.token_ids[2]) == tokenizer("hello", add_special_tokens=False)["input_ids"]
-    with pytest.raises(DataError, match=r"eval\.jsonl: every prompt is longer than data\.max_prompt_tokens=1"):
-        encode_prompt_set(tokenizer, [PromptRecord("a much longer prompt than one token", {})], 1, "drop", "eval.jsonl")
 
 
 def test_metrics_are_the_draws_own_numbers(tiny):

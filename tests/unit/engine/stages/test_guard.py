@@ -11,12 +11,12 @@ import time
 import pytest
 
 from conftest import RecordingSink, small_config_tree
-from helpers.stage_ctx import make_call, make_ctx
+from helpers.stage_ctx import make_ctx, run_call, sft_call
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.errors import NonFiniteUpdates, StageHung, StagePreempted
 from rlflow.engine.config.secrets import redact
-from rlflow.engine.stages.worker import make_context, run_stage_call, write_spec
+from rlflow.engine.stages.worker import write_spec
 
 
 def sft_setup(assets, root, **sections):
@@ -26,7 +26,7 @@ def sft_setup(assets, root, **sections):
         sft={"max_steps": 6, "eval_every": 3, "batch_size": 16, "warmup_steps": 1, "log_every": 1},
         **sections,
     )
-    call = make_call(root, "sft", init_path=str(assets / "tiny-model"))
+    call = sft_call(root, assets / "tiny-model")
     return build_config(tree, "test"), call
 
 
@@ -44,7 +44,7 @@ def test_sigterm_checkpoints_at_the_next_step_boundary_and_exits_cleanly(small_a
     assert store.committed_steps() == [3] and store.final() is None  # no scheduled checkpoint before 100
     store.verify(3)
 
-    outcome = run_stage_call(make_context(config, call, RecordingSink()), config, call)
+    outcome = run_call(config, call, sink=RecordingSink())
     assert outcome.resumed_from == 3 and outcome.step == 6
 
 
@@ -53,13 +53,13 @@ def test_a_hang_dumps_every_stack_fails_the_stage_and_a_rerun_resumes(small_asse
     config, call = sft_setup(small_assets, tmp_path, stage={"hang_timeout_s": 5.0}, checkpoint={"every_steps": 2})
     monkeypatch.setenv("RLFLOW_FAULT", "sft:hang:3")
     with caplog.at_level(logging.ERROR), pytest.raises(StageHung, match=r"no step finished for 5 s"):
-        run_stage_call(make_context(config, call, RecordingSink()), config, call)
+        run_call(config, call, sink=RecordingSink())
     dump = "\n".join(r.getMessage() for r in caplog.records)
     assert "thread stacks" in dump and "faults.py" in dump and "rlflow-watchdog-sft" in dump  # the hung frame
 
     monkeypatch.delenv("RLFLOW_FAULT")
     sink = RecordingSink()
-    outcome = run_stage_call(make_context(config, call, sink), config, call)
+    outcome = run_call(config, call, sink=sink)
     assert outcome.resumed_from == 2 and outcome.step == 6
     assert [s for s, _ in sink.series("sft/loss")] == [3, 4, 5, 6]
     assert sink.series("checkpoint/resume_s")[0][0] == 3
@@ -69,7 +69,7 @@ def test_a_non_finite_update_is_skipped_and_counted(small_assets, tmp_path, monk
     config, call = sft_setup(small_assets, tmp_path, checkpoint={"every_steps": 1, "keep_last": 10})
     monkeypatch.setenv("RLFLOW_FAULT", "sft:nonfinite:3")
     sink = RecordingSink()
-    outcome = run_stage_call(make_context(config, call, sink), config, call)
+    outcome = run_call(config, call, sink=sink)
     assert outcome.step == 6
     losses = dict(sink.series("sft/loss"))
     assert math.isnan(losses[3]) and all(math.isfinite(losses[s]) for s in (1, 2, 4, 5, 6))
@@ -85,7 +85,7 @@ def test_too_many_non_finite_updates_in_a_row_stop_the_stage_with_the_last_check
     config, call = sft_setup(small_assets, tmp_path, safety={"max_nonfinite_skips": 0}, checkpoint={"every_steps": 2})
     monkeypatch.setenv("RLFLOW_FAULT", "sft:nonfinite:3")
     with pytest.raises(NonFiniteUpdates, match=r"safety.max_nonfinite_skips=0\) at step 3.*checkpoint is intact"):
-        run_stage_call(make_context(config, call, RecordingSink()), config, call)
+        run_call(config, call, sink=RecordingSink())
     store = CheckpointStore(call.store_url)
     assert store.committed_steps() == [2] and store.final() is None
     store.verify(2)

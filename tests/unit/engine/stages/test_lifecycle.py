@@ -1,6 +1,6 @@
-"""A stage's identity (config subtree, inputs, data fingerprints) and software versions travel
-with its checkpoints; continuing under a changed identity is refused unless
-resume.allow_config_change is set, which continues and reports the changed keys."""
+"""A stage's identity (the hash of its inputs record) and software versions travel with its
+checkpoints; continuing under a changed identity is refused unless resume.allow_config_change is
+set, which continues and reports the changed keys; a stage written by rlflow 0.1 is refused either way."""
 
 import os
 
@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from conftest import RecordingSink, small_config_tree
-from helpers.stage_ctx import make_call
-from rlflow.engine.storage.checkpoint import CheckpointStore
+from helpers.stage_ctx import make_call, model
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.errors import CheckpointError
-from rlflow.engine.stages.lifecycle import changed_keys, compute_identity, set_threads
-from rlflow.engine.stages.worker import make_context, run_stage_call
+from rlflow.engine.stages.catalog import run_stage
+from rlflow.engine.stages.identity import IDENTITY_FORMAT, identity_of
+from rlflow.engine.stages.lifecycle import set_threads
+from rlflow.engine.stages.sft import SFTUpstream
+from rlflow.engine.stages.worker import call_inputs, make_context
+from rlflow.engine.storage.checkpoint import CheckpointStore
 
 
 def setup(assets, root, lr=2e-3, allow=False):
@@ -25,14 +28,14 @@ def setup(assets, root, lr=2e-3, allow=False):
         resume={"allow_config_change": allow},
     )
     config = build_config(tree, "test")
-    identity_tree = {"config": {"sft": config.sft.model_dump(mode="json")}}
-    identity = f"id-{lr}"
-    call = make_call(root, "sft", identity, identity_tree, init_path=str(assets / "tiny-model"))
+    identity_tree = {"format": IDENTITY_FORMAT, "sft": config.sft.model_dump(mode="json")}
+    upstream = SFTUpstream(init=model(assets / "tiny-model"))
+    call = make_call(root, "sft", upstream, identity_of(identity_tree), identity_tree)
     return config, call
 
 
 def run(config, call, sink=None):
-    return run_stage_call(make_context(config, call, sink or RecordingSink()), config, call)
+    return run_stage(make_context(config, call, sink or RecordingSink()), call_inputs(config, call))
 
 
 def test_a_changed_identity_is_refused_unless_allowed_then_continues_and_reports_the_keys(small_assets, tmp_path):
@@ -79,15 +82,21 @@ def test_resume_verifies_the_step_and_refuses_a_damaged_file_without_touching_an
     assert shard.read_bytes() == bytes(data) and CheckpointStore(call.store_url).committed_steps() == [2, 4, 6]
 
 
-def test_an_identity_is_the_trees_content_whatever_its_key_order():
-    tree = {"config": {"ppo": {"steps": 3, "clip_ratio": 0.2}}, "inputs": {"policy": "a"}}
-    reordered = {"inputs": {"policy": "a"}, "config": {"ppo": {"clip_ratio": 0.2, "steps": 3}}}
-    assert compute_identity(tree) == compute_identity(reordered)
-    assert len(compute_identity(tree)) == 64
-    changed = {"config": {"ppo": {"steps": 4, "clip_ratio": 0.2}}, "inputs": {"policy": "b"}}
-    assert compute_identity(changed) != compute_identity(tree)
-    assert set(changed_keys(tree, changed)) == {"ppo.steps", "inputs.policy"}
-    assert changed_keys(tree, reordered) == ("(inputs)",)  # nothing named: the inputs' hashes differ
+def test_a_stage_written_by_rlflow_0_1_is_refused_even_when_config_changes_are_allowed(small_assets, tmp_path):
+    config, call = setup(small_assets, tmp_path)
+    tree_0_1 = {"stage": "sft", "seed": 0, "config": {"sft": {}}, "inputs": {"init": "x"}, "data": {}}  # no format
+    run(config, call.model_copy(update={"identity": "old", "identity_tree": tree_0_1}))  # as rlflow 0.1 wrote it
+    store = CheckpointStore(call.store_url)
+    for allowed in (False, True):
+        current_config = setup(small_assets, tmp_path, allow=allowed)[0]
+        with pytest.raises(CheckpointError, match=r"written by rlflow 0.1.* new run.name"):
+            run(current_config, call)
+    # An interrupted one too: as if killed after committing step 4.
+    os.remove(tmp_path / "sft" / "final.json")
+    store.delete_step(6)
+    with pytest.raises(CheckpointError, match=r"written by rlflow 0.1"):
+        run(setup(small_assets, tmp_path, allow=True)[0], call)
+    assert store.committed_steps() == [2, 4] and store.manifest(4)["meta"]["identity_tree"] == tree_0_1
 
 
 def test_threads_come_from_omp_num_threads_when_it_is_set_and_from_the_config_otherwise(monkeypatch):

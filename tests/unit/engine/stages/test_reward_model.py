@@ -3,27 +3,26 @@ every weight moves, and online labels alone train a reward model measured on hel
 
 import pytest
 import torch
-
 from conftest import RecordingSink, rm_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
-from rlflow.engine.data.batching import encode_pair
-from rlflow.engine.config.schema import build_config
+from helpers.stage_ctx import inputs, make_ctx, model, run
+
 from rlflow.engine.backend.runtime import OptimSpec, Runtime
 from rlflow.engine.config.execution import EngineConfig
+from rlflow.engine.config.schema import build_config
+from rlflow.engine.data.batching import encode_pair
 from rlflow.engine.data.records import load_preference_pairs, load_sft_examples
 from rlflow.engine.errors import ConfigError
-from rlflow.engine.tasksets.demo import gold_score, noisy_gold_labeller
 from rlflow.engine.models.loading import load_scalar_model, load_tokenizer, sequence_scores
+from rlflow.engine.stages.inputs import LabelsInput
+from rlflow.engine.stages.label import PAIRS_EVAL_FILE, PAIRS_FILE, LabelUpstream
 from rlflow.engine.stages.reward_model import (
     _pair_rows,
     accuracy_by_spread,
     bradley_terry_loss,
     rm_train_step,
-    run_reward_model_stage,
     score_norm_from_metrics,
 )
-from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.stages.label_eval import PAIRS_EVAL_FILE, PAIRS_FILE, LabelStageInputs, run_label_stage
+from rlflow.engine.tasksets.demo import gold_score
 
 
 def test_bradley_terry_loss_by_hand():
@@ -38,7 +37,7 @@ def test_reward_model_learns_preferences(trained, small_assets, tmp_path):
     sft_dir, rm_dir, (mean, std) = trained
     cfg = build_config(small_config_tree(small_assets, tmp_path, rm={"epochs": 3, "log_every": 1}), "t")
     sink = RecordingSink()
-    outcome = run_reward_model_stage(make_ctx(tmp_path, "rm", sink=sink), rm_inputs(cfg, sft_dir))
+    outcome = run(make_ctx(tmp_path, "rm", sink=sink), rm_inputs(cfg, sft_dir))
     losses = [v for _, v in sink.series("rm/loss")]
     assert len(losses) == 39  # 3 epochs x ceil(400 pairs / 32)
     assert sum(losses[-5:]) / 5 < losses[0] - 0.15  # starts at log 2 = 0.693 (zero-initialised head)
@@ -55,14 +54,12 @@ def test_reward_model_learns_preferences(trained, small_assets, tmp_path):
 def test_online_labels_alone_train_a_reward_model_measured_on_held_out_pairs(trained, small_assets, tmp_path):
     sft_dir = trained[0]
     tree = small_config_tree(small_assets, tmp_path, data={"preferences": None, "preferences_eval": None})
-    cfg = build_config(tree, "t")
-    sampling = SamplingParams(1.0, 1.0, 12)
+    labeller = {"fn": "rlflow.engine.tasksets.demo:noisy_gold_labeller", "kwargs": {"noise": 0.0}}
 
     def label(root, fraction):
-        ctx = make_ctx(root, "label")
-        labeller, kwargs = noisy_gold_labeller, {"noise": 0.0}
-        inputs = LabelStageInputs(sft_dir, cfg.model, cfg.data, sampling, labeller, kwargs, 96, fraction)
-        outcome = run_label_stage(ctx, inputs)
+        settings = {"labeller": labeller, "prompts_per_round": 96, "eval_fraction": fraction}
+        cfg = build_config(tree | {"label": settings}, "t")
+        outcome = run(make_ctx(root, "label"), inputs(cfg, "label", LabelUpstream(policy=model(sft_dir))))
         return outcome, f"{outcome.checkpoint_uri}/{PAIRS_FILE}", f"{outcome.checkpoint_uri}/{PAIRS_EVAL_FILE}"
 
     split, train_url, eval_url = label(tmp_path / "split", 0.25)
@@ -76,12 +73,14 @@ def test_online_labels_alone_train_a_reward_model_measured_on_held_out_pairs(tra
     assert "label/pairs_eval" not in whole.metrics
     assert all(gold_score(p.prompt, p.chosen)["score"] > gold_score(p.prompt, p.rejected)["score"] for p in held)
 
-    outcome = run_reward_model_stage(make_ctx(tmp_path, "rm"), rm_inputs(cfg, sft_dir, (train_url,), (eval_url,)))
+    cfg = build_config(tree, "t")
+    labelled = LabelsInput(identity="labels", train=train_url, held_out=eval_url)
+    outcome = run(make_ctx(tmp_path, "rm"), rm_inputs(cfg, sft_dir, (labelled,)))
     assert "rm/accuracy" not in outcome.metrics and outcome.metrics["rm/pairs"] == len(train)
     # Recomputed from the saved reward model: the share of held-out pairs it orders as labelled.
-    model = load_scalar_model(f"{outcome.checkpoint_uri}/model").eval()
+    saved = load_scalar_model(f"{outcome.checkpoint_uri}/model").eval()
     tokenizer = load_tokenizer(sft_dir, chat_template="none")
-    scores = lambda prompt, answer: float(sequence_scores(model, *encoded(tokenizer, prompt, answer)))  # noqa: E731
+    scores = lambda prompt, answer: float(sequence_scores(saved, *encoded(tokenizer, prompt, answer)))  # noqa: E731
     with torch.no_grad():
         right = sum(scores(p.prompt, p.chosen) > scores(p.prompt, p.rejected) for p in held)
     assert outcome.metrics["rm/accuracy_online"] == pytest.approx(right / len(held))
@@ -103,7 +102,7 @@ def test_pair_accuracy_split_by_the_ensembles_spread_by_hand():
 def test_an_ensembles_heads_train_on_their_own_resamples_and_are_normalised_each(trained, small_assets, tmp_path):
     sft_dir = trained[0]
     cfg = build_config(small_config_tree(small_assets, tmp_path, rm={"epochs": 1, "ensemble": 4}), "t")
-    outcome = run_reward_model_stage(make_ctx(tmp_path, "rm"), rm_inputs(cfg, sft_dir))
+    outcome = run(make_ctx(tmp_path, "rm"), rm_inputs(cfg, sft_dir))
     metrics = outcome.metrics
     assert metrics["rm/heads"] == 4 and metrics["rm/accuracy"] >= 0.7
     assert 0.0 <= metrics["rm/accuracy_std_bottom_half"] <= 1.0 and 0.0 <= metrics["rm/accuracy_std_top_half"] <= 1.0

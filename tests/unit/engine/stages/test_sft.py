@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from conftest import RecordingSink, sft_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import make_ctx, run
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.errors import CheckpointError
 from rlflow.engine.models.loading import load_policy
-from rlflow.engine.stages.sft import run_sft_stage
 
 
 def test_sft_loss_falls_and_every_parameter_changes(small_assets, tmp_path):
@@ -25,7 +24,7 @@ def test_sft_loss_falls_and_every_parameter_changes(small_assets, tmp_path):
     )
     sink = RecordingSink()
     ctx = make_ctx(tmp_path, "sft", sink=sink)
-    outcome = run_sft_stage(ctx, sft_inputs(cfg))
+    outcome = run(ctx, sft_inputs(cfg))
     losses = [v for _, v in sink.series("sft/loss")]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
@@ -42,10 +41,10 @@ def test_sft_loss_falls_and_every_parameter_changes(small_assets, tmp_path):
     assert ctx.store.final()["step"] == 30 and outcome.step == 30
     assert ctx.store.committed_steps() == [20, 30]  # keep_last=2 pruned step 10
     # Run again: the final marker says it is done, so nothing is trained.
-    again = run_sft_stage(make_ctx(tmp_path, "sft"), sft_inputs(cfg))
+    again = run(make_ctx(tmp_path, "sft"), sft_inputs(cfg))
     assert again.skipped and again.manifest_sha256 == outcome.manifest_sha256
     with pytest.raises(CheckpointError, match="already finished with a different configuration .*x"):
-        run_sft_stage(make_ctx(tmp_path, "sft", identity="id-2"), sft_inputs(cfg))
+        run(make_ctx(tmp_path, "sft", identity="id-2"), sft_inputs(cfg))
 
 
 def test_sft_resumes_from_latest_commit(small_assets, tmp_path):
@@ -55,13 +54,13 @@ def test_sft_resumes_from_latest_commit(small_assets, tmp_path):
         ),
         "t",
     )
-    ref = run_sft_stage(make_ctx(tmp_path / "a", "sft", every=4), sft_inputs(cfg))
-    run_sft_stage(make_ctx(tmp_path / "b", "sft", every=4), sft_inputs(cfg))
+    ref = run(make_ctx(tmp_path / "a", "sft", every=4), sft_inputs(cfg))
+    run(make_ctx(tmp_path / "b", "sft", every=4), sft_inputs(cfg))
     # As if killed right after committing step 8: the later step and the final marker are gone.
     shutil.rmtree(tmp_path / "b" / "sft" / "step_000012")
     (tmp_path / "b" / "sft" / "final.json").unlink()
     sink = RecordingSink()
-    resumed = run_sft_stage(make_ctx(tmp_path / "b", "sft", every=4, sink=sink), sft_inputs(cfg))
+    resumed = run(make_ctx(tmp_path / "b", "sft", every=4, sink=sink), sft_inputs(cfg))
     assert resumed.resumed_from == 8 and [s for s, _ in sink.series("sft/loss")] == [9, 10, 11, 12]
     a = load_policy(f"{ref.checkpoint_uri}/model").state_dict()
     b = load_policy(f"{resumed.checkpoint_uri}/model").state_dict()
@@ -79,7 +78,7 @@ def test_sft_checkpoints_through_s3_and_resumes_from_there(small_assets, s3_buck
         return make_ctx(url, "sft", "s3", 2, store=CheckpointStore(f"{url}/run/round_0/sft", options))
 
     first = ctx()
-    outcome = run_sft_stage(first, sft_inputs(cfg))
+    outcome = run(first, sft_inputs(cfg))
     assert outcome.checkpoint_uri == f"{url}/run/round_0/sft/step_000004"
     assert first.store.committed_steps() == [2, 4]
     first.store.verify(4)
@@ -92,7 +91,7 @@ def test_sft_checkpoints_through_s3_and_resumes_from_there(small_assets, s3_buck
     fs = s3fs.S3FileSystem(**options)
     fs.rm(f"{url}/run/round_0/sft/final.json")
     fs.rm(f"{url}/run/round_0/sft/step_000004", recursive=True)
-    resumed = run_sft_stage(ctx(), sft_inputs(cfg))
+    resumed = run(ctx(), sft_inputs(cfg))
     assert resumed.resumed_from == 2 and resumed.step == 4
 
 

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from conftest import sft_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import make_ctx, run
 from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.errors import CheckpointError, ConfigError
 from rlflow.engine.storage.export import ExportResult, ModelCard, export_policy
-from rlflow.engine.stages.sft import run_sft_stage
 
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
 CLEAN = {"config.json", "generation_config.json", "model.safetensors", "README.md"} | TOKENIZER_FILES
@@ -46,7 +45,7 @@ def sft_steps(small_assets, tmp_path_factory):
     cfg = build_config(small_config_tree(small_assets, root, sft={"max_steps": 3, "eval_every": 3}), "t")
     store = CheckpointStore(f"{root}/exp1/round_0/sft")
     ctx = make_ctx(root, "sft", "x", 1, store=store, keep_last=3, consolidate_every=2)
-    outcome = run_sft_stage(ctx, sft_inputs(cfg))
+    outcome = run(ctx, sft_inputs(cfg))
     assert store.committed_steps() == [1, 2, 3] and outcome.checkpoint_uri == store.step_url(3)
     return store
 

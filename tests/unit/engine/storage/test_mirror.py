@@ -22,7 +22,10 @@ from rlflow.engine.config.execution import CheckpointConfig
 from rlflow.engine.storage.mirror import LAG_METRIC, CheckpointMirror, MirrorLagSink, make_mirror
 from rlflow.engine.models.loading import load_policy
 from rlflow.engine.stages.lifecycle import completed_outcome, latest_resumable
-from rlflow.engine.stages.worker import StageCall, make_context, run_stage_call
+from helpers.stage_ctx import model, run_call
+from rlflow.engine.stages.identity import IDENTITY_FORMAT
+from rlflow.engine.stages.sft import SFTUpstream
+from rlflow.engine.stages.worker import StageCall, make_context
 
 SHARD = "optim/model.rank00000.safetensors"
 SECRET = "mirror-secret-never-logged"  # moto accepts any credentials; this one must not reach a log
@@ -148,14 +151,15 @@ def sft_config(assets, root, mirror_url=None, mirror_options=None, steps=8):
 def context(cfg, sink=None):
     url = stage_prefix(cfg.run.root, cfg.run.name, 0, "sft")
     call = StageCall(
-        stage="sft", store_url=url, round_index=0, identity="mirror-test", identity_tree={}, init_path=cfg.model.path
+        stage="sft", store_url=url, round_index=0, identity="mirror-test", identity_tree={"format": IDENTITY_FORMAT},
+        upstream=SFTUpstream(init=model(cfg.model.path)).model_dump(mode="json"),
     )
     return make_context(cfg, call, sink or RecordingSink()), call
 
 
 def run(cfg, sink=None):
     ctx, call = context(cfg, sink)
-    return ctx, run_stage_call(ctx, cfg, call)
+    return ctx, run_call(cfg, call, ctx)
 
 
 def mirror_store(mirror_url, options):
@@ -199,7 +203,7 @@ def test_steps_and_final_are_mirrored_byte_identical_manifest_last(small_assets,
     ctx, call = context(cfg, sink)
     assert ctx.mirror.replica.url == f"{url}/m/round_0/sft"  # run.root replaced by the mirror URL
     ctx.mirror.replica = recording = RecordingStore(ctx.mirror.replica.url, options)
-    outcome = run_stage_call(ctx, cfg, call)
+    outcome = run_call(cfg, call, ctx)
 
     primary, mirror = ctx.store, mirror_store(url, options)
     assert primary.committed_steps() == mirror.committed_steps() == [2, 4] and outcome.step == 4
@@ -247,7 +251,7 @@ def test_outage_mid_run_keeps_training_protects_unmirrored_steps_and_catches_up(
     sink = HookSink({3: outage_starts, 9: outage_ends})
     ctx, call = context(cfg, sink)
     try:
-        outcome = run_stage_call(ctx, cfg, call)
+        outcome = run_call(cfg, call, ctx)
     finally:
         with suppress(OSError):
             proxy.stop()
@@ -279,7 +283,7 @@ def test_resume_restores_a_deleted_step_and_a_deleted_stage_from_the_mirror(
     ctx, call = context(cfg, HookSink({5: crash_after_mirrored(box)}))
     box.append(ctx)
     with pytest.raises(Crash):
-        run_stage_call(ctx, cfg, call)
+        run_call(cfg, call, ctx)
     shutil.rmtree(stage_dir / "step_000004")  # the newest step is lost on the primary only
 
     box.clear()
@@ -287,7 +291,7 @@ def test_resume_restores_a_deleted_step_and_a_deleted_stage_from_the_mirror(
     ctx, call = context(cfg, sink)
     box.append(ctx)
     with pytest.raises(Crash):
-        run_stage_call(ctx, cfg, call)
+        run_call(cfg, call, ctx)
     assert [s for s, _ in sink.series("sft/loss")] == [5, 6, 7]  # resumed from the mirror's step 4
     assert mirror_records(caplog, "restored step 4 from the mirror")
     shutil.rmtree(stage_dir)  # the whole primary stage is lost

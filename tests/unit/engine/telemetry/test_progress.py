@@ -5,10 +5,12 @@ import json
 import math
 
 import pytest
-
 from conftest import RecordingSink, sft_inputs, small_config_tree
-from rlflow.engine.storage.checkpoint import CheckpointStore
+from helpers.stage_ctx import run
+
 from rlflow.engine.config.schema import build_config
+from rlflow.engine.stages.context import StageContext
+from rlflow.engine.storage.checkpoint import CheckpointStore
 from rlflow.engine.telemetry.metrics import ConsoleSink, FanoutSink
 from rlflow.engine.telemetry.progress import (
     QUIET_ENV,
@@ -22,8 +24,6 @@ from rlflow.engine.telemetry.progress import (
     console_sink,
     events_path,
 )
-from rlflow.engine.stages.sft import run_sft_stage
-from rlflow.engine.stages.context import StageContext
 
 
 def read_events(path):
@@ -32,11 +32,11 @@ def read_events(path):
 
 def test_one_object_per_logged_step_with_mlflow_names(tmp_path):
     path = events_path(str(tmp_path), "r1")
-    sink = EventLogSink(path, "r1", 0, "ppo")
+    sink = EventLogSink(path, "r1", 0, "rl")
     sink.log_metrics({"actor/kl": 0.25, "critic/score/mean": float("nan")}, 1)
     sink.log_metrics({"actor/kl": 0.5, "timing_s/step": float("inf")}, 2)
     events = read_events(path)
-    assert [(e["round"], e["stage"], e["step"]) for e in events] == [(0, "ppo", 1), (0, "ppo", 2)]
+    assert [(e["round"], e["stage"], e["step"]) for e in events] == [(0, "rl", 1), (0, "rl", 2)]
     assert events[0]["actor/kl"] == 0.25 and events[1]["actor/kl"] == 0.5
     assert events[0]["critic/score/mean"] == "nan" and events[1]["timing_s/step"] == "inf"  # JSON has no NaN
     assert events[0]["time"].endswith("Z") and events[0]["run"] == "r1"
@@ -73,9 +73,10 @@ def test_callbacks_see_every_step_and_add_metrics():
         return {"custom/reward_per_token": event.metrics["critic/score/mean"] / event.metrics["response_length/mean"]}
 
     downstream = RecordingSink()
-    sink = CallbackSink([("m:f", reward_per_token), ("m:g", lambda e: None)], downstream, {"run": "r", "round": 2, "stage": "ppo"})
+    callbacks = [("m:f", reward_per_token), ("m:g", lambda e: None)]
+    sink = CallbackSink(callbacks, downstream, {"run": "r", "round": 2, "stage": "rl"})
     sink.log_metrics({"critic/score/mean": 3.0, "response_length/mean": 12.0}, 7)
-    assert seen == [("ppo", 7, {"critic/score/mean": 3.0, "response_length/mean": 12.0})]
+    assert seen == [("rl", 7, {"critic/score/mean": 3.0, "response_length/mean": 12.0})]
     assert downstream.metrics == [
         (7, {"critic/score/mean": 3.0, "response_length/mean": 12.0, "custom/reward_per_token": 0.25})
     ]
@@ -88,7 +89,7 @@ def test_returned_metrics_reach_every_sink_once(small_assets, tmp_path, capsys):
     tree = small_config_tree(small_assets, tmp_path, run={"name": "cb"})
     tree["callbacks"] = ["helpers.callbacks:reward_per_token"]
     config = build_config(tree, "test")
-    spec = StageSpec(stage="ppo", round_index=1, identity="i", identity_tree={}, parent_run_id="p")
+    spec = StageSpec(stage="rl", round_index=1, identity="i", identity_tree={}, parent_run_id="p")
     mlflow_stand_in = RecordingSink()
     sink = stage_sinks(config, spec, 10, mlflow_stand_in, StopRequest())
     sink.log_metrics({"critic/score/mean": 2.0}, 3)
@@ -97,17 +98,17 @@ def test_returned_metrics_reach_every_sink_once(small_assets, tmp_path, capsys):
     assert mlflow_stand_in.metrics == [(3, expected)]
     events = read_events(events_path(str(tmp_path), "cb"))
     assert [(e["step"], e["custom/reward_per_token"]) for e in events] == [(3, 0.5)]
-    assert capsys.readouterr().out.count("[round 1 ppo] step 3") == 1
+    assert capsys.readouterr().out.count("[round 1 rl] step 3") == 1
 
 
 def test_a_callback_cannot_change_the_metrics_or_return_garbage():
     def mutate(event):
         event.metrics["actor/kl"] = 0.0
 
-    sink = CallbackSink([("m:mutate", mutate)], RecordingSink(), {"run": "r", "round": 0, "stage": "ppo"})
+    sink = CallbackSink([("m:mutate", mutate)], RecordingSink(), {"run": "r", "round": 0, "stage": "rl"})
     with pytest.raises(TypeError):
         sink.log_metrics({"actor/kl": 1.0}, 1)
-    bad = CallbackSink([("m:bad", lambda e: {"x": "high"})], RecordingSink(), {"run": "r", "round": 0, "stage": "ppo"})
+    bad = CallbackSink([("m:bad", lambda e: {"x": "high"})], RecordingSink(), {"run": "r", "round": 0, "stage": "rl"})
     with pytest.raises(TypeError, match="m:bad must return None or a mapping"):
         bad.log_metrics({"actor/kl": 1.0}, 1)
 
@@ -153,11 +154,11 @@ def test_a_callback_stops_sft_early_at_a_committed_final_step(small_assets, tmp_
         store=store, stage="sft", round_index=0, seed=0, identity="i", identity_tree={}, every_steps=100,
         sink=FanoutSink(recorded, sink), stop=stop,
     )
-    outcome = run_sft_stage(ctx, sft_inputs(cfg))
+    outcome = run(ctx, sft_inputs(cfg))
     assert outcome.step == 15 and store.final()["step"] == 15 and store.committed_steps() == [15]
     assert outcome.metrics["train/early_stop_step"] == 15.0 and stop.reason == "hooks:stop_on_low_loss: loss is low enough"
     assert max(step for step, _ in recorded.metrics) == 15
     # Without a way to reach the stage (a DeepSpeed job's ranks), the request is an error, not ignored.
-    deaf = CallbackSink([("hooks:s", stop_on_low_loss)], RecordingSink(), {"run": "t", "round": 0, "stage": "ppo"})
+    deaf = CallbackSink([("hooks:s", stop_on_low_loss)], RecordingSink(), {"run": "t", "round": 0, "stage": "rl"})
     with pytest.raises(RuntimeError, match="needs engine.backend=torch"):
         deaf.log_metrics({}, 20)

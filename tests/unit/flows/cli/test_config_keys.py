@@ -63,11 +63,11 @@ def test_every_table_row_has_four_cells():
 
 
 def test_walker_reads_types_defaults_and_constraints(rows):
-    grad = rows["ppo.max_grad_norm"]
+    grad = rows["rl.max_grad_norm"]
     assert (grad.type, grad.default, grad.constraints) == ("float", "1.0", "> 0")
     assert rows["kl.stop_above"].type == "float | None" and rows["kl.stop_above"].default == "0.3"
     modes = "'token-mean' | 'seq-mean-token-sum' | 'seq-mean-token-mean' | 'seq-mean-token-sum-norm'"
-    assert rows["ppo.loss_agg"].type == modes
+    assert rows["rl.loss_agg"].type == modes
     assert rows["engine.zero_stage"].type == "1 | 2 | 3" and rows["engine.zero_stage"].default == "2"
     assert rows["run.rounds"].constraints == ">= 1, <= 1000"
     assert rows["data.max_prompt_tokens"].constraints == ">= 1"
@@ -78,13 +78,13 @@ def test_walker_reads_types_defaults_and_constraints(rows):
 
 
 def test_walker_descends_into_sections_and_keeps_function_refs_whole(rows):
-    assert rows["stage.ppo.retries"].type == "int | None" and rows["stage.ppo.retries"].default == "null"
-    assert "stage.ppo" not in rows  # a plain section: only its keys
+    assert rows["stage.rl.retries"].type == "int | None" and rows["stage.rl.retries"].default == "null"
+    assert "stage.rl" not in rows  # a plain section: only its keys
     assert rows["model.lora"].type == "mapping | None" and rows["model.lora.r"].default == "8"
     assert rows["model.lora.target_modules"].type == "list[str] | 'all-linear'"
     assert rows["reward.sources[].name"].default == "required"
     assert rows["reward.sources"].default.startswith("[{name: rm, type: model")
-    assert rows["stage.ppo.retries"].type == "int | None"
+    assert rows["stage.rl.retries"].type == "int | None"
     labeller = rows["label.labeller"]
     assert labeller.type == "{fn, kwargs}" and "noise: 0.1" in labeller.default
     assert not [key for key in rows if key.startswith(("label.labeller.", "gold."))]
@@ -114,9 +114,9 @@ def test_help_keys_prefix_filters_and_an_unknown_prefix_is_an_error():
 def test_rlflow_config_help_keys_prints_only_that_section():
     script = Path(sys.executable).parent / "rlflow"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "rlflow.flows.cli.main"]
-    argv = command + ["config", "--help-keys", "ppo"]
+    argv = command + ["config", "--help-keys", "rl"]
     result = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     keys = [line.split(":")[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
-    assert "ppo.max_grad_norm" in keys and "ppo.clip_ratio" in keys and "ppo.kl.target" not in keys
-    assert all(key.startswith("ppo.") for key in keys), keys
+    assert "rl.max_grad_norm" in keys and "rl.clip_ratio" in keys and "ppo.kl.target" not in keys
+    assert all(key.startswith("rl.") for key in keys), keys

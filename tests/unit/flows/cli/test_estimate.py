@@ -75,7 +75,7 @@ def test_resources_gpu_type_picks_the_device(tiny_model, capsys):
         (["--model", "no/such/folder"], "neither a local model folder nor a size like 7B"),
         (["--zero", "0", "--gpus", "2"], "--zero 0 is the torch backend"),
         (["--zero", "2", "--offload", "all"], "needs ZeRO stage 3"),
-        (["--gpus", "64", "--zero", "3"], "--gpus 64: ppo.mini_batch=32 is below 64 ranks"),
+        (["--gpus", "64", "--zero", "3"], "--gpus 64: rl.mini_batch=32 is below 64 ranks"),
         (["ppo.stepz=3"], "unknown key 'ppo.stepz'"),
     ],
 )
@@ -94,7 +94,7 @@ def test_a_model_folder_without_config_json_is_named(tiny_model, tmp_path, capsy
 
 
 def test_a_grpo_config_says_what_it_estimates(tiny_model, capsys):
-    grpo = ["algorithm.name=grpo", "rollout.n=4", "ppo.rollout_batch=16", "ppo.mini_batch=8"]
+    grpo = ["algorithm.name=grpo", "rollout.n=4", "rl.rollout_batch=16", "rl.mini_batch=8"]
     assert main(["estimate", DEMO, f"model.path={tiny_model}", *grpo, "--gpu", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "algorithm: GRPO: 16 prompts x 4 samples = 64 rows per step, no critic, KL in the loss" in out
@@ -130,7 +130,7 @@ def test_a_dpo_config_is_estimated_from_its_preference_pairs(tiny_model, tmp_pat
 
 
 def test_a_lora_config_counts_its_adapters_and_stays_on_one_device(tiny_model, capsys):
-    lora = "model.lora={r: 16, target_modules: all-linear, modules_to_save: [embed_tokens], stages: [rm, ppo]}"
+    lora = "model.lora={r: 16, target_modules: all-linear, modules_to_save: [embed_tokens], stages: [rm, rl]}"
     bf16 = "model.dtype=bfloat16"
     assert main(["estimate", DEMO, f"model.path={tiny_model}", bf16, lora, "--model", "8B", "--gpu", "h100-80g"]) == 0
     out = capsys.readouterr().out
@@ -144,8 +144,8 @@ def test_a_lora_config_counts_its_adapters_and_stays_on_one_device(tiny_model, c
 
 
 def test_a_first_positional_that_is_an_override_reads_the_defaults_with_it():
-    config = estimate_cli.read_config("ppo.steps=7", ["run.rounds=2"])
-    assert (config.ppo.steps, config.run.rounds) == (7, 2)
+    config = estimate_cli.read_config("rl.steps=7", ["run.rounds=2"])
+    assert (config.rl.steps, config.run.rounds) == (7, 2)
 
 
 def test_the_rollout_engine_and_its_own_gpus_follow_the_flags_or_the_config():

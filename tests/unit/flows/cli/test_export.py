@@ -33,7 +33,7 @@ CLEAN = {
 
 def commit_policy(cfg, round_index, model_dir) -> CheckpointStore:
     """The round's PPO stage output: step 3 holding the model under model/, marked final."""
-    store = CheckpointStore(stage_prefix(cfg.run.root, cfg.run.name, round_index, "ppo"))
+    store = CheckpointStore(stage_prefix(cfg.run.root, cfg.run.name, round_index, "rl"))
     with store.writer(3) as w:
         w.put_dir(str(model_dir), "model")
     store.mark_final(3)
@@ -80,7 +80,7 @@ def export_args(root, dest, round_index=1, overwrite=False):
 def test_lineage_is_the_registered_version_of_that_round(run):
     _, cfg = run
     lineage = lineage_of(cfg, 1)
-    step = f"{stage_prefix(cfg.run.root, RUN, 1, 'ppo')}/step_000003"
+    step = f"{stage_prefix(cfg.run.root, RUN, 1, 'rl')}/step_000003"
     assert lineage["registered_model"] == f"{RUN}-policy version 1"
     assert lineage["checkpoint_uri"] == step and lineage["round"] == "1"
     assert lineage["data.prompts"] == "sha-of-prompts-1" and len(lineage["manifest_sha256"]) == 64
@@ -96,8 +96,8 @@ def test_export_writes_a_clean_directory_with_the_runs_sampling_and_card(run, tm
     assert generation["do_sample"] is True
     assert (generation["temperature"], generation["top_p"], generation["max_new_tokens"]) == (0.7, 0.9, 12)
     readme = (dest / "README.md").read_text()
-    step = f"{stage_prefix(cfg.run.root, RUN, 1, 'ppo')}/step_000003"
-    assert f"# {RUN}: round 1 ppo policy" in readme and f"| checkpoint | {step} |" in readme
+    step = f"{stage_prefix(cfg.run.root, RUN, 1, 'rl')}/step_000003"
+    assert f"# {RUN}: round 1 rl policy" in readme and f"| checkpoint | {step} |" in readme
     assert (
         f"| registered_model | {RUN}-policy version 1 |" in readme and "| data.prompts | sha-of-prompts-1 |" in readme
     )

@@ -82,9 +82,9 @@ def assert_rejected(capsys, root: Path, argv: list[str], expected: str) -> None:
 
 PPO_KEYS = ", ".join(sorted(PPOConfig.model_fields))
 MINI_BATCH = (
-    "ppo.rollout_batch=16 is not a multiple of ppo.mini_batch={}: every mini-batch is one optimizer step, so all"
-    " must be the same size; set ppo.mini_batch to a divisor of ppo.rollout_batch (e.g. {}) or ppo.rollout_batch"
-    " to a multiple of ppo.mini_batch (e.g. {})"
+    "rl.rollout_batch=16 is not a multiple of rl.mini_batch={}: every mini-batch is one optimizer step, so all"
+    " must be the same size; set rl.mini_batch to a divisor of rl.rollout_batch (e.g. {}) or rl.rollout_batch"
+    " to a multiple of rl.mini_batch (e.g. {})"
 )
 
 
@@ -166,15 +166,15 @@ CASES: dict[str, Callable[[Case], tuple[list[str], str]]] = {
         f"{p}:{c.line_of(p, '  max_kl: 0.5')}: 'safety.max_kl' moved to 'kl.pause_above'; rename it there",
     ),
     "config: wrong type": lambda c: _with(
-        c.overridden("ppo.steps=many"),
-        "invalid value for 'ppo.steps': 'many' (Input should be a valid integer, unable to parse string as an integer)",
+        c.overridden("rl.steps=many"),
+        "invalid value for 'rl.steps': 'many' (Input should be a valid integer, unable to parse string as an integer)",
     ),
     "config: out of range": _top_p_in_file,
     "config: mini-batches that do not tile the rollout batch": lambda c: _with(
-        c.overridden("ppo.mini_batch=6"), MINI_BATCH.format(6, 4, 18)
+        c.overridden("rl.mini_batch=6"), MINI_BATCH.format(6, 4, 18)
     ),
     "config: mini-batch larger than the rollout batch": lambda c: _with(
-        c.overridden("ppo.mini_batch=32"), MINI_BATCH.format(32, 16, 32)
+        c.overridden("rl.mini_batch=32"), MINI_BATCH.format(32, 16, 32)
     ),
     "config: unknown algorithm": lambda c: _with(
         c.overridden("algorithm.name=ppo2"),

@@ -34,7 +34,7 @@ def data_file(tmp_path, name, text):
 
 CASES = {
     "unknown key": (lambda t, w: (w(), "ppo.stepz=3"), r"unknown key 'ppo.stepz' in ppo; valid keys: .*steps"),
-    "wrong type": (lambda t, w: (w(), "ppo.steps=many"), r"invalid value for 'ppo.steps': 'many'"),
+    "wrong type": (lambda t, w: (w(), "rl.steps=many"), r"invalid value for 'rl.steps': 'many'"),
     "missing data file": (lambda t, w: (w(data={"sft": str(t / "nope.jsonl")}),), r"data file not found: .*nope.jsonl"),
     "malformed jsonl": (
         lambda t, w: (w(data={"prompts": data_file(t, "p.jsonl", '{"prompt": "a"}\n{"prompt": \n')}),),
@@ -73,7 +73,8 @@ CASES = {
     ),
     "a rank without rows": (
         lambda t, w: (w(engine={"backend": "deepspeed"}, resources={"nproc_per_node": 2}),),
-        r"ppo.rollout_batch x rollout.n / rollout.generate_batch chunks = 1 is less than the 2 ranks .*make it at least 2",
+        r"rl.rollout_batch x rollout.n / rollout.generate_batch chunks = 1 is less than the 2 ranks"
+        r" .*make it at least 2",
     ),
     "an env class that does not exist": (
         lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:NoSuchEnv"}),),

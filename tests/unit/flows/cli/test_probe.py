@@ -26,13 +26,13 @@ def test_probe_measures_logs_and_writes_nothing(small_assets, tmp_path, capsys):
 
     uri = f"sqlite:///{tmp_path}/probe.db"
     config = write_config(tmp_path, small_assets, tracking={"uri": uri})
-    assert main(["probe", str(config), "ppo.rollout_batch=8", "ppo.mini_batch=8", "--steps", "3"]) == 0
+    assert main(["probe", str(config), "rl.rollout_batch=8", "rl.mini_batch=8", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert len(re.findall(r"^  step \d: [\d.]+ s, reward", out, re.M)) == 3
     for expected in ("above the post-import baseline", "p50", "p90", "generated tokens/s", "trend per step", "USD"):
         assert expected in out, expected
     full = re.search(r"full run \((\d+) PPO steps", out)
-    assert full and int(full.group(1)) == 3  # ppo.steps x run.rounds of the small config
+    assert full and int(full.group(1)) == 3  # rl.steps x run.rounds of the small config
     assert not (tmp_path / "runs" / "t").exists()  # no checkpoint, no run folder
     client = MlflowClient(uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
@@ -40,7 +40,7 @@ def test_probe_measures_logs_and_writes_nothing(small_assets, tmp_path, capsys):
     assert run.data.tags["rlflow.run_name"] == "probe-t" and run.info.status == "FINISHED"
     assert run.data.metrics["probe/step_s_mean"] > 0 and run.data.metrics["probe/peak_rss_above_baseline_gib"] > 0
     assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/step")] == [1, 2, 3]
-    assert run.data.params["config.ppo.rollout_batch"] == "8"
+    assert run.data.params["config.rl.rollout_batch"] == "8"
 
 
 RULE_REWARD = "reward.sources=[{name: len, type: length, kwargs: {target: 3}}]"
@@ -48,7 +48,7 @@ RULE_REWARD = "reward.sources=[{name: len, type: length, kwargs: {target: 3}}]"
 
 def test_a_grpo_probe_runs_the_algorithm_without_critic_or_reward_model(small_assets, tmp_path, capsys):
     config = write_config(tmp_path, small_assets, run={"threads": 1})
-    grpo = ["algorithm.name=grpo", "rollout.n=2", "ppo.rollout_batch=4", "ppo.mini_batch=4", "sampling.max_new_tokens=6"]
+    grpo = ["algorithm.name=grpo", "rollout.n=2", "rl.rollout_batch=4", "rl.mini_batch=4", "sampling.max_new_tokens=6"]
     rules = [RULE_REWARD, "reward.workers=1"]  # scored in a worker process: no --reward-model needed
     assert main(["probe", str(config), *grpo, *rules, "--steps", "2", "--no-tracking", "--gpu", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -80,7 +80,7 @@ def _fifty_million(small_assets: Path, folder: Path) -> Path:
 def test_memory_estimate_is_within_25_percent_of_the_measured_peak_at_50m(small_assets, tmp_path):
     model = _fifty_million(small_assets, tmp_path / "m50")
     config = write_config(tmp_path, small_assets)
-    ppo = ["ppo.rollout_batch=8", "ppo.mini_batch=8", "sampling.max_new_tokens=32", "rollout.generate_batch=8"]
+    ppo = ["rl.rollout_batch=8", "rl.mini_batch=8", "sampling.max_new_tokens=32", "rollout.generate_batch=8"]
     # A fresh process: the peak resident set is the process's, so nothing else may have run in it.
     out = subprocess.run(
         [sys.executable, "-m", "rlflow.flows.cli.main", "probe", str(config), f"model.path={model}", *ppo]
@@ -126,10 +126,10 @@ def test_the_full_run_is_extrapolated_from_the_mean_step_time(small_assets, tmp_
     from rlflow.engine.config.schema import build_config
     from rlflow.flows.cli.probe import extrapolate
 
-    config = build_config(small_config_tree(small_assets, tmp_path, ppo={"steps": 30}, run={"rounds": 4}), "t")
+    config = build_config(small_config_tree(small_assets, tmp_path, rl={"steps": 30}, run={"rounds": 4}), "t")
     # 30 steps x 4 rounds x 1.5 s = 180 s = 0.05 h; on 2 devices at 3.0 an hour: 0.1 device-hours, 0.3
     assert extrapolate(config, step_s=1.5, price_per_hour=3.0, gpus=2) == pytest.approx(
-        {"ppo_steps": 120, "hours": 0.05, "gpu_hours": 0.1, "cost": 0.3}
+        {"rl_steps": 120, "hours": 0.05, "gpu_hours": 0.1, "cost": 0.3}
     )
 
 
@@ -146,3 +146,28 @@ def test_the_probe_names_what_it_runs_and_refuses_what_it_cannot(small_assets, t
     served = build_config(small_config_tree(small_assets, tmp_path, rollout={"mode": "server"}), "t")
     with pytest.raises(ConfigError, match="set rollout.mode=colocated for the probe"):
         check_probe_config(served, steps=2)
+
+
+def test_a_probe_of_an_env_config_runs_multi_turn_episodes_and_says_so(tmp_path, capsys):
+    from helpers.chat_model import write_chat_model
+
+    rows = [{"prompt": f"what is {i} plus 30", "turns": t} for i, t in enumerate([1, 2, 3, 2])]
+    chat = write_chat_model(tmp_path / "chat", rows)
+    tree = {
+        "run": {"name": "t", "root": str(tmp_path / "runs"), "threads": 1},
+        "model": {"path": str(chat / "model")},
+        "data": {"prompts": str(chat / "prompts.jsonl"), "eval_prompts": str(chat / "eval_prompts.jsonl"),
+                 "chat_template": "auto"},
+        "algorithm": {"name": "grpo"},
+        "rollout": {"n": 2},
+        "rl": {"rollout_batch": 4, "mini_batch": 4, "epochs": 1},
+        "reward": {"sources": [{"name": "len", "type": "length", "kwargs": {"target": 3}}], "workers": 1},
+        "env": {"fn": "helpers.envs:ScriptedEnv", "max_turns": 3, "max_total_tokens": 96},
+        "sampling": {"max_new_tokens": 6},
+    }
+    config = tmp_path / "env.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    assert main(["probe", str(config), "--steps", "2", "--no-tracking", "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "multi-turn episodes of ScriptedEnv (up to 3 turns)" in out
+    assert "episodes: every prompt a multi-turn episode, 2.00 model turns on average" in out  # turns 1, 2, 3, 2

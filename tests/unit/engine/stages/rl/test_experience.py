@@ -1,4 +1,4 @@
-"""Assembling PPO experience from a scored rollout, on hand-made tensors: where the KL penalty
+"""Assembling RL experience from a scored rollout, on hand-made tensors: where the KL penalty
 goes (each response token of the reward, or nowhere when it is a loss term), the score on each
 row's last token, and the advantages and returns each estimator makes of them, against hand
 arithmetic."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlflow.engine.config.stages import PPOConfig
+from rlflow.engine.config.stages import RLConfig
 from rlflow.engine.rollout.generate import RolloutBatch
 from rlflow.engine.stages.rl.experience import (
     Objective,
@@ -22,7 +22,8 @@ OLD = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
 REF = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -3.0, 0.0]])
 # k1 = old - ref on the mask: [[0.5, 0, -0.5], [0, 1, (masked)]]
 SCORES = torch.tensor([1.0, 2.0])
-PLAIN = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
+PLAIN = RLConfig(gamma=1.0)
+UNWHITENED = Objective(lam=1.0, whiten_advantages=False)  # GAE with lambda 1, advantages as they are
 
 
 def close(actual, expected):
@@ -41,7 +42,7 @@ def rollout():
 
 
 def test_the_kl_penalty_is_on_every_response_token_and_the_score_on_the_last():
-    exp = assemble_experience(rollout(), OLD * MASK, torch.zeros(2, 3), kl_coef=0.1, cfg=PLAIN)
+    exp = assemble_experience(rollout(), OLD * MASK, torch.zeros(2, 3), kl_coef=0.1, cfg=PLAIN, objective=UNWHITENED)
     # row 0: -0.1 x [0.5, 0, -0.5], + 1 on its third token; row 1: -0.1 x [0, 1], + 2 on its second
     assert close(exp.token_rewards, [[-0.05, 0.0, 1.05], [0.0, 1.9, 0.0]])
     # gamma = lam = 1 and zero values: GAE's advantage is the reward still to come, and so is the return
@@ -51,9 +52,9 @@ def test_the_kl_penalty_is_on_every_response_token_and_the_score_on_the_last():
 
 
 def test_discounting_and_values_enter_gae_as_hand_computed():
-    cfg = PPOConfig(gamma=0.5, lam=0.5, whiten_advantages=False)
+    objective = Objective(lam=0.5, whiten_advantages=False)
     values = torch.tensor([[0.5, 0.25, 1.0], [0.0, 0.0, 0.0]]) * MASK
-    exp = assemble_experience(rollout(), OLD * MASK, values, kl_coef=0.0, cfg=cfg)
+    exp = assemble_experience(rollout(), OLD * MASK, values, kl_coef=0.0, cfg=RLConfig(gamma=0.5), objective=objective)
     # row 0, rewards [0, 0, 1]: deltas r_t + 0.5 V_{t+1} - V_t = [-0.375, 0.25, 0]; A_t = delta_t + 0.25 A_{t+1}
     a2 = 1.0 - 1.0
     a1 = (0.0 + 0.5 * 1.0 - 0.25) + 0.25 * a2
@@ -78,8 +79,8 @@ def test_grpo_gives_each_sample_its_groups_standardised_score_on_every_token():
 
 
 def test_whitened_ppo_advantages_have_zero_mean_over_response_tokens():
-    cfg = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=True)
-    exp = assemble_experience(rollout(), OLD * MASK, torch.zeros(2, 3), kl_coef=0.1, cfg=cfg)
+    objective = Objective(lam=1.0, whiten_advantages=True)
+    exp = assemble_experience(rollout(), OLD * MASK, torch.zeros(2, 3), kl_coef=0.1, cfg=PLAIN, objective=objective)
     kept = exp.advantages[MASK.bool()]
     raw = torch.tensor([1.0, 1.05, 1.05, 1.9, 1.9])
     assert float(kept.mean()) == pytest.approx(0.0, abs=1e-6)
@@ -87,7 +88,7 @@ def test_whitened_ppo_advantages_have_zero_mean_over_response_tokens():
 
 
 def test_rollout_metrics_from_hand_numbers():
-    exp = assemble_experience(rollout(), OLD * MASK, torch.zeros(2, 3), kl_coef=0.1, cfg=PLAIN)
+    exp = assemble_experience(rollout(), OLD * MASK, torch.zeros(2, 3), kl_coef=0.1, cfg=PLAIN, objective=UNWHITENED)
     metrics = experience_metrics(exp, kl_coef=0.1, has_critic=False)
     # k3 = exp(ref - old) - (ref - old) - 1 on the five response tokens
     k3 = [math.exp(d) - d - 1 for d in (-0.5, 0.0, 0.5, 0.0, -1.0)]

@@ -1,5 +1,6 @@
 """PPO on the small demo task: log-prob recomputation matches sampling, PPO raises the reward,
-the gold function is never called by training, and the KL stop ends a round early."""
+the gold function is never called by training, and the KL stop ends a round early. Steps are
+opened by the RL-run entry point, as the stage opens them."""
 
 import math
 
@@ -7,23 +8,26 @@ import pytest
 import torch
 
 from conftest import RecordingSink, assert_weights_agree, rl_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import make_ctx, run
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.config.execution import EngineConfig
 from rlflow.engine.rewards.model_scores import ScoringModels
-from rlflow.engine.stages.evaluation import encode_prompt_set, evaluate_policy
+from rlflow.engine.data.prompts import encode_prompt_set
+from rlflow.engine.stages.evaluation import evaluate_policy
 from rlflow.engine.data.records import load_prompts
 from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.models.loading import load_policy, load_tokenizer, token_logprobs
-from rlflow.engine.stages.rl.step import make_controller, ppo_step, single_pass_possible
-from rlflow.engine.stages.rl.experience import Objective
-from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models, run_ppo_stage
+from rlflow.engine.stages.guard import StageGuard
+from rlflow.engine.stages.loop import StageStart
+from rlflow.engine.stages.rl.run import RLRun
+from rlflow.engine.stages.rl.stage import run_rl_stage
+from rlflow.engine.stages.rl.step import single_pass_possible
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.rollout.generate import batched_logprobs, generate_rollouts, sample_tokens
 
 
-def boom(*args, **kwargs):
-    raise AssertionError("the gold function must not be called by PPO training")
+NEVER = {"fn": "helpers.reward_fns:never_called"}  # a gold score that raises when called
+ZERO = {"fn": "helpers.reward_fns:zero"}
 
 
 def test_recomputed_logprobs_match_the_sampler_and_first_ratio_is_one(trained):
@@ -50,19 +54,17 @@ def test_recomputed_logprobs_match_the_sampler_and_first_ratio_is_one(trained):
     assert (ratio - 1).abs().max().item() < 1e-6
 
 
-def _models(trained, gold, cfg=None):
+def _open(trained, cfg, runtime=None) -> RLRun:
+    """PPO from the trained SFT policy, with the trained reward model as reward and critic start."""
     sft_dir, rm_dir, norm = trained
-    cfg = cfg or build_config({}, "t")
-    return load_ppo_models(
-        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir), cfg.model, cfg.ppo, gold, Runtime()
-    )
+    return RLRun.open(runtime or Runtime(), rl_inputs(cfg, sft_dir, rm_dir, norm, critic=rm_dir))
 
 
 def test_ppo_step_never_calls_gold_but_evaluation_does(trained, small_assets, tmp_path):
-    cfg = build_config(small_config_tree(small_assets, tmp_path), "t")
-    models = _models(trained, boom)
-    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-    metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 32, Objective.of(cfg))
+    cfg = build_config(small_config_tree(small_assets, tmp_path, gold=NEVER), "t")
+    with _open(trained, cfg) as rl_run:
+        metrics = rl_run.step(1)
+    models, prompts = rl_run.models, rl_run.prompts
     for key in (
         "actor/pg_loss",
         "actor/pg_clipfrac",
@@ -99,15 +101,16 @@ def test_ppo_raises_reward_model_score(trained, small_assets, tmp_path):
         small_config_tree(
             small_assets,
             tmp_path,
-            ppo={"steps": 8, "rollout_batch": 32, "mini_batch": 16, "epochs": 2, "actor_lr": 1e-3},
+            rl={"steps": 8, "rollout_batch": 32, "mini_batch": 16, "epochs": 2, "actor_lr": 1e-3},
             kl={"stop_above": None, "coef": 0.01, "controller": "fixed"},
+            gold=ZERO,
         ),
         "t",
     )
     sink = RecordingSink()
-    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
-    outcome = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink, every=4), rl_inputs(cfg, inputs, boom_free_gold))
-    models = _models(trained, boom_free_gold)
+    outcome = run(make_ctx(tmp_path, "rl", sink=sink, every=4), rl_inputs(cfg, sft_dir, rm_dir, norm, critic=rm_dir))
+    with _open(trained, cfg) as rl_run:  # the starting policy, its tokenizer and scoring models
+        models = rl_run.models
     prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.eval_prompts), 32, "truncate", "prompts")
     sampling = cfg.sampling.params()
     before = evaluate_policy(models.actor.model, models.tokenizer, prompts, models.scoring, sampling, seed=1).metrics
@@ -116,22 +119,17 @@ def test_ppo_raises_reward_model_score(trained, small_assets, tmp_path):
     ).metrics
     assert after["eval/rm_score"] - before["eval/rm_score"] >= 0.3
     assert [s for s, _ in sink.series("actor/pg_loss")] == list(range(1, 9))
-    assert outcome.metrics["ppo/steps"] == 8
-
-
-def boom_free_gold(prompt, response, **fields):
-    return 0.0
+    assert outcome.metrics["rl/steps"] == 8
 
 
 def test_stop_kl_ends_the_round_early(trained, small_assets, tmp_path):
     sft_dir, rm_dir, norm = trained
     cfg = build_config(
-        small_config_tree(small_assets, tmp_path, ppo={"steps": 6, "actor_lr": 1e-3}, kl={"stop_above": 1e-6}), "t"
+        small_config_tree(small_assets, tmp_path, rl={"steps": 6, "actor_lr": 1e-3}, kl={"stop_above": 1e-6}), "t"
     )
-    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
-    outcome = run_ppo_stage(make_ctx(tmp_path, "ppo"), rl_inputs(cfg, inputs, boom_free_gold))
+    outcome = run(make_ctx(tmp_path, "rl"), rl_inputs(cfg, sft_dir, rm_dir, norm, critic=rm_dir))
     # Step 1 samples from the reference itself (KL 0); after one update the KL passes 1e-6.
-    assert outcome.metrics["ppo/stopped_by_kl"] == 1.0 and outcome.metrics["ppo/steps"] == 2
+    assert outcome.metrics["rl/stopped_by_kl"] == 1.0 and outcome.metrics["rl/steps"] == 2
 
 
 def test_keep_best_protects_the_best_evaluated_step_from_pruning(trained, small_assets, tmp_path):
@@ -140,36 +138,35 @@ def test_keep_best_protects_the_best_evaluated_step_from_pruning(trained, small_
         small_config_tree(
             small_assets,
             tmp_path,
-            ppo={"steps": 4, "actor_lr": 1e-3},
+            rl={"steps": 4, "actor_lr": 1e-3},
             eval={"every_steps": 1, "num_prompts": 16},
             checkpoint={"keep_best": "eval/kl", "keep_best_mode": "min"},
         ),
         "t",
     )
     sink = RecordingSink()
-    ctx = make_ctx(tmp_path, "ppo", sink=sink, every=100, keep_last=1)
-    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)
-    run_ppo_stage(ctx, rl_inputs(cfg, inputs, boom_free_gold))
+    ctx = make_ctx(tmp_path, "rl", sink=sink, every=100, keep_last=1)
+    # The stage's body itself, started fresh (what the catalog's run_stage does for a new stage).
+    run_rl_stage(ctx, rl_inputs(cfg, sft_dir, rm_dir, norm, critic=rm_dir), StageStart(None, (), StageGuard(ctx, None)))
     kls = dict(sink.series("eval/kl"))
     best = min(kls, key=kls.get)
     assert sorted(kls) == [1, 2, 3, 4] and best < 4  # KL grows as PPO moves away from the reference
     assert ctx.store.committed_steps() == sorted({best, 4})
-    assert ctx.store.manifest(4)["meta"]["ppo_state"]["best_step"] == best
+    assert ctx.store.manifest(4)["meta"]["rl_state"]["best_step"] == best
 
 
 def test_critic_warmup_updates_only_the_critic(trained, small_assets, tmp_path):
-    cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={"critic_warmup_steps": 1}), "t")
-    models = _models(trained, boom, cfg)
-    prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-    actor, critic = models.actor.model, models.critic.model
+    cfg = build_config(small_config_tree(small_assets, tmp_path, ppo={"critic_warmup_steps": 1}, gold=NEVER), "t")
+    rl_run = _open(trained, cfg)
+    actor, critic = rl_run.models.actor.model, rl_run.models.critic.model
     actor_before = {k: v.clone() for k, v in actor.state_dict().items()}
     critic_before = {k: v.clone() for k, v in critic.state_dict().items()}
-    controller = make_controller(cfg.kl)
-    warm = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 1, 32, Objective.of(cfg))
+    warm = rl_run.step(1)
     assert "actor/pg_loss" not in warm and "critic/vf_loss" in warm and warm["timing_s/update_critic"] > 0
     assert all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())
     assert not all(torch.equal(v, critic.state_dict()[k]) for k, v in critic_before.items())
-    after = ppo_step(models, controller, cfg.ppo, prompts, 0, 0, 2, 32, Objective.of(cfg))
+    after = rl_run.step(2)
+    rl_run.close()
     assert "actor/pg_loss" in after
     assert not all(torch.equal(v, actor.state_dict()[k]) for k, v in actor_before.items())
 
@@ -178,22 +175,15 @@ def test_single_pass_update_equals_scoring_then_updating(trained, small_assets, 
     """One epoch over one mini-batch: the update's own forwards stand in for the old-log-prob and
     value passes. Against the same step with the passes (forced by two micro-batches): the same
     draw, the same metrics, the same weights after the step."""
-    cfg = build_config(
-        small_config_tree(small_assets, tmp_path, ppo={"rollout_batch": 16, "mini_batch": 16, "epochs": 1}), "t"
-    )
-    sft_dir, rm_dir, norm = trained
+    rl = {"rollout_batch": 16, "mini_batch": 16, "epochs": 1}
+    tree = small_config_tree(small_assets, tmp_path, rl=rl, gold=NEVER)
+    cfg = build_config(tree | {"rollout": {"generate_batch": 16}}, "t")
     runs = {}
     for micro in (None, 8):
-        models = load_ppo_models(
-            PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir),
-            cfg.model,
-            cfg.ppo,
-            boom,
-            Runtime(EngineConfig(micro_batch_size=micro)),
-        )
-        assert single_pass_possible(models, cfg.ppo, update_actor=True) == (micro is None)
-        prompts, _, _ = encode_prompt_set(models.tokenizer, load_prompts(cfg.data.prompts), 32, "truncate", "prompts")
-        metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 16, Objective.of(cfg))
+        with _open(trained, cfg, Runtime(EngineConfig(micro_batch_size=micro))) as rl_run:
+            models = rl_run.models
+            assert single_pass_possible(models, cfg.rl, update_actor=True) == (micro is None)
+            metrics = rl_run.step(1)
         runs[micro] = metrics, models.actor.model.state_dict(), models.critic.model.state_dict()
     (single, actor_1, critic_1), (split, actor_2, critic_2) = runs[None], runs[8]
     assert "timing_s/old_logprobs" not in single and split["timing_s/old_logprobs"] > 0
@@ -214,20 +204,19 @@ def test_single_pass_update_equals_scoring_then_updating(trained, small_assets, 
 
 def test_an_ensemble_reward_is_penalised_by_its_spread_and_starts_a_one_head_critic(trained, small_assets, tmp_path):
     from conftest import rm_inputs
-    from rlflow.engine.stages.reward_model import run_reward_model_stage, score_norm_from_metrics
+    from rlflow.engine.stages.reward_model import score_norm_from_metrics
 
     sft_dir = trained[0]
-    sections = {"rm": {"epochs": 1, "ensemble": 3}, "ppo": {"steps": 1, "rollout_batch": 16, "mini_batch": 8}}
+    sections = {"rm": {"epochs": 1, "ensemble": 3}, "rl": {"steps": 1, "rollout_batch": 16, "mini_batch": 8}}
     cfg = build_config(small_config_tree(small_assets, tmp_path, **sections), "t")
-    rm = run_reward_model_stage(make_ctx(tmp_path / "rm", "rm"), rm_inputs(cfg, sft_dir))
+    rm = run(make_ctx(tmp_path / "rm", "rm"), rm_inputs(cfg, sft_dir))
     rm_dir, norm = f"{rm.checkpoint_uri}/model", score_norm_from_metrics(rm.metrics)
-    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir)  # critic_init=rm: the heads' mean
 
     def first_step(penalty):
         sink = RecordingSink()
-        reward = cfg.reward.model_copy(update={"uncertainty_penalty": penalty})
-        ctx = make_ctx(tmp_path / f"ppo-{penalty}", "ppo", sink=sink)
-        run_ppo_stage(ctx, rl_inputs(cfg, inputs, boom_free_gold, reward=reward))
+        penalised = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"uncertainty_penalty": penalty})})
+        ctx = make_ctx(tmp_path / f"rl-{penalty}", "rl", sink=sink)
+        run(ctx, rl_inputs(penalised, sft_dir, rm_dir, norm, critic=rm_dir))  # critic_init=rm: the heads' mean
         return {k: sink.series(k)[0][1] for k in ("reward/rm/mean", "critic/score_std_ensemble", "critic/vf_loss")}
 
     plain, penalised = first_step(0.0), first_step(2.0)

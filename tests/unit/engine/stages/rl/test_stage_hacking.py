@@ -7,9 +7,8 @@ import os
 import pytest
 
 from conftest import RecordingSink, rl_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import make_ctx, run
 from rlflow.engine.config.schema import build_config
-from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
 from rlflow.engine.storage.checkpoint import CheckpointStore
 
 
@@ -26,10 +25,6 @@ class MarkerSink(RecordingSink):
             open(self.marker, "w").close()
 
 
-def zero_gold(prompt, response, **fields):
-    return 0.0
-
-
 def collapse_at_step_7(trained, small_assets, tmp_path, **sections):
     """The RL stage with the valid rule scripted to fail from step 7 on: (inputs, sink, outcome)."""
     sft_dir, rm_dir, norm = trained
@@ -37,16 +32,16 @@ def collapse_at_step_7(trained, small_assets, tmp_path, **sections):
     valid_rule = {"name": "valid", "type": "function", "fn": "helpers.reward_fns:valid_until_marker",
                   "weight": 0, "kwargs": {"marker": marker}}
     sections = {
-        "ppo": {"steps": 12, "rollout_batch": 16, "mini_batch": 8},
+        "rl": {"steps": 12, "rollout_batch": 16, "mini_batch": 8},
         "kl": {"stop_above": None},
         "reward": {"sources": [{"name": "rm", "type": "model"}, valid_rule], "workers": 1, "valid": "valid"},
         "hacking": {"enabled": True, "window": 3, "max_valid_drop": 0.1},
+        "gold": {"fn": "helpers.reward_fns:zero"},
     } | sections
     cfg = build_config(small_config_tree(small_assets, tmp_path, **sections), "t")
-    inputs = rl_inputs(cfg, PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, rm_dir), zero_gold,
-                       reward=cfg.reward, hacking=cfg.hacking, checkpoint=cfg.checkpoint, eval=cfg.eval)
+    inputs = rl_inputs(cfg, sft_dir, rm_dir, norm, critic=rm_dir)
     sink = MarkerSink(marker, at=6)
-    return inputs, sink, run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink, every=2, keep_last=1), inputs)
+    return inputs, sink, run(make_ctx(tmp_path, "rl", sink=sink, every=2, keep_last=1), inputs)
 
 
 def test_a_collapsing_valid_share_stops_the_round_at_the_checkpoint_before_the_window(trained, small_assets, tmp_path):
@@ -59,15 +54,15 @@ def test_a_collapsing_valid_share_stops_the_round_at_the_checkpoint_before_the_w
     assert sink.series("hacking/valid_drop")[-1] == (7, pytest.approx(1 / 3))
     assert outcome.step == 4 and outcome.checkpoint_uri.endswith("step_000004")
     assert outcome.metrics["hacking/stopped_at"] == 7 and outcome.metrics["hacking/window_start"] == 5
-    assert outcome.metrics["ppo/steps"] == 4
-    store = CheckpointStore(f"{tmp_path}/ppo")
+    assert outcome.metrics["rl/steps"] == 4
+    store = CheckpointStore(f"{tmp_path}/rl")
     assert store.final()["step"] == 4 and os.path.isfile(f"{outcome.checkpoint_uri}/model/config.json")
     assert {4, 7} <= set(store.committed_steps())  # keep_last=1 kept the rollback target
 
     # Killed after the stop, before final.json: started again, it trains no step and ends at step 4.
-    os.remove(f"{tmp_path}/ppo/final.json")
+    os.remove(f"{tmp_path}/rl/final.json")
     again = RecordingSink()
-    resumed = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=again, every=2, keep_last=1), inputs)
+    resumed = run(make_ctx(tmp_path, "rl", sink=again, every=2, keep_last=1), inputs)
     assert resumed.step == 4 and resumed.resumed_from == 7 and again.series("actor/pg_loss") == []
 
 

@@ -1,51 +1,35 @@
 """GRPO, RLOO and REINFORCE++ through the RL stage: critic-free, groups of samples, the KL in the
 reward or in the loss, and losses that do not depend on how a batch is cut into micro-batches."""
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
 from conftest import RecordingSink, assert_weights_agree, rl_inputs, small_config_tree
-from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import make_ctx, run
 from rlflow.engine.backend.runtime import Runtime
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.config.execution import EngineConfig
-from rlflow.engine.data.records import load_prompts
-from rlflow.engine.stages.evaluation import encode_prompt_set
-from rlflow.engine.stages.rl.experience import Objective
-from rlflow.engine.stages.rl.step import make_controller, ppo_step
-from rlflow.engine.stages.rl.stage import PPOInputs, load_ppo_models, run_ppo_stage
 from rlflow.engine.errors import RewardFunctionError
-from rlflow.engine.rewards.sources import build_reward_source, start_reward_pool
+from rlflow.engine.stages.rl.run import RLRun
 
 
-def no_gold(prompt, response, **fields):
-    return 0.0
-
-
-def _config(small_assets, tmp_path, name, n=2, algorithm=None, **ppo):
-    ppo = {"rollout_batch": 8, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3} | ppo
-    tree = small_config_tree(small_assets, tmp_path, ppo=ppo, kl={"loss_coef": 0.1}, sampling={"max_new_tokens": 12})
+def _config(small_assets, tmp_path, name, n=2, algorithm=None, **rl):
+    rl = {"rollout_batch": 8, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3} | rl
+    tree = small_config_tree(small_assets, tmp_path, rl=rl, kl={"loss_coef": 0.1}, sampling={"max_new_tokens": 12})
     tree |= {"algorithm": {"name": name} | (algorithm or {}), "rollout": {"n": n, "generate_batch": 16}}
     return build_config(tree, "t")
 
 
-def _step(trained, cfg, runtime, prompts=None):
+def _step(trained, cfg, runtime):
+    """Step 1 of the RL stage `cfg` describes, opened by the RL-run entry point: (its models, metrics,
+    prompts)."""
     sft_dir, rm_dir, norm = trained
-    objective = Objective.of(cfg)
     critic = None if cfg.algorithm.critic_free else rm_dir
-    models = load_ppo_models(
-        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, critic), cfg.model, cfg.ppo, no_gold, runtime
-    )
-    source = build_reward_source(cfg.reward, models.scoring, None, None, runtime, cfg.model)
-    models = dataclasses.replace(models, reward=source)
-    if prompts is None:
-        records = load_prompts(cfg.data.prompts)
-        prompts, _, _ = encode_prompt_set(models.tokenizer, records, 32, "truncate", "prompts")
-    metrics = ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 16, objective)
-    return models, metrics, prompts
+    with RLRun.open(runtime, rl_inputs(cfg, sft_dir, rm_dir, norm, critic=critic)) as rl_run:
+        metrics = rl_run.step(1)
+        return rl_run.models, metrics, rl_run.prompts
 
 
 @pytest.mark.parametrize(
@@ -53,8 +37,8 @@ def _step(trained, cfg, runtime, prompts=None):
 )
 def test_grpo_step_does_not_depend_on_the_micro_batch_size(trained, small_assets, tmp_path, loss_agg):
     cfg = _config(small_assets, tmp_path, "grpo", loss_agg=loss_agg)
-    whole, m1, prompts = _step(trained, cfg, Runtime())
-    cut, m2, _ = _step(trained, cfg, Runtime(EngineConfig(micro_batch_size=3)), prompts)
+    whole, m1, _ = _step(trained, cfg, Runtime())
+    cut, m2, _ = _step(trained, cfg, Runtime(EngineConfig(micro_batch_size=3)))
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert m2[key] == pytest.approx(m1[key], abs=1e-6, rel=1e-5), key
     assert_weights_agree(whole.actor.model.state_dict(), cut.actor.model.state_dict(), 1e-5)
@@ -89,8 +73,8 @@ def test_truncated_rollout_correction_of_an_exact_sampler_is_one(trained, small_
     float rounding, so TIS weighs every token ~1 and the step is the uncorrected one."""
     plain = _config(small_assets, tmp_path, "grpo")
     corrected = _config(small_assets, tmp_path, "grpo", algorithm={"rollout_correction": "tis"})
-    base, m0, prompts = _step(trained, plain, Runtime())
-    models, m1, _ = _step(trained, corrected, Runtime(), prompts)
+    base, m0, _ = _step(trained, plain, Runtime())
+    models, m1, _ = _step(trained, corrected, Runtime())
     for metrics in (m0, m1):  # logged with or without a correction
         assert abs(metrics["rollout/is_weight_mean"] - 1.0) < 1e-6
         assert abs(metrics["rollout/is_weight_max"] - 1.0) < 1e-5
@@ -116,12 +100,14 @@ def test_critic_free_step_samples_groups_and_trains_only_the_actor(trained, smal
 
 def test_group_advantages_are_centred_per_prompt(trained, small_assets, tmp_path, monkeypatch):
     """RLOO's advantages of one prompt's samples sum to zero: each prompt really got its own group."""
-    import rlflow.engine.stages.rl.step as ppo_module
+    import rlflow.engine.stages.rl.run as run_module
+    import rlflow.engine.stages.rl.step as step_module
 
     cfg = _config(small_assets, tmp_path, "rloo", n=4, rollout_batch=4, mini_batch=4)
     seen = []
-    original = ppo_module.assemble_experience
-    monkeypatch.setattr(ppo_module, "assemble_experience", lambda *a, **k: seen.append(original(*a, **k)) or seen[-1])
+    original = run_module.assemble_experience
+    for module in (run_module, step_module):  # the two-pass update, and the single pass
+        monkeypatch.setattr(module, "assemble_experience", lambda *a, **k: seen.append(original(*a, **k)) or seen[-1])
     _step(trained, cfg, Runtime())
     exp = seen[-1]
     per_row = exp.advantages[:, 0]  # the same on every token of a row
@@ -134,22 +120,20 @@ def test_group_advantages_are_centred_per_prompt(trained, small_assets, tmp_path
 def test_grpo_stage_checkpoints_no_critic_and_resumes(trained, small_assets, tmp_path):
     sft_dir, rm_dir, norm = trained
     cfg = _config(small_assets, tmp_path, "grpo", n=2, steps=3)
-    inputs = PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None)
-    objective = Objective.of(cfg)
     sink = RecordingSink()
-    ctx = make_ctx(tmp_path, "ppo", sink=sink, every=1)
-    stage_inputs = rl_inputs(cfg, inputs, no_gold, rollout=cfg.rollout, objective=objective, reward=cfg.reward)
-    outcome = run_ppo_stage(ctx, stage_inputs)
+    ctx = make_ctx(tmp_path, "rl", sink=sink, every=1)
+    stage_inputs = rl_inputs(cfg, sft_dir, rm_dir, norm)
+    outcome = run(ctx, stage_inputs)
     assert outcome.step == 3
     names = list(ctx.store.manifest(3)["files"])
     assert any(n.startswith("optim/model.") for n in names) and not any("critic" in n for n in names), names
     assert [s for s, _ in sink.series("actor/kl_loss")] == [1, 2, 3]
     # Stopped after step 2 and started again with 3 steps: the uninterrupted stage's final state.
-    ctx2 = make_ctx(tmp_path / "again", "ppo", every=1)
-    short = cfg.ppo.model_copy(update={"steps": 2})
-    run_ppo_stage(ctx2, dataclasses.replace(stage_inputs, ppo=short))
-    (tmp_path / "again" / "ppo" / "final.json").unlink()  # as if killed before the stage ended
-    resumed = run_ppo_stage(ctx2, stage_inputs)
+    ctx2 = make_ctx(tmp_path / "again", "rl", every=1)
+    short = _config(small_assets, tmp_path, "grpo", n=2, steps=2)
+    run(ctx2, rl_inputs(short, sft_dir, rm_dir, norm))
+    (tmp_path / "again" / "rl" / "final.json").unlink()  # as if killed before the stage ended
+    resumed = run(ctx2, stage_inputs)
     assert resumed.resumed_from == 2
     shards = lambda c: {n: e["sha256"] for n, e in c.store.manifest(3)["files"].items() if n.startswith("optim/")}
     assert shards(ctx2) == shards(ctx)
@@ -157,26 +141,14 @@ def test_grpo_stage_checkpoints_no_critic_and_resumes(trained, small_assets, tmp
 
 def _with_sources(small_assets, tmp_path, sources, **reward):
     cfg = _config(small_assets, tmp_path, "grpo", n=2, rollout_batch=4, mini_batch=4)
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"generate_batch": 4})})
     tree = cfg.model_dump(mode="json") | {"reward": {"sources": sources, "workers": 2} | reward}
     return build_config(tree, "t")
 
 
 def _step_with_pool(trained, cfg):
-    sft_dir, rm_dir, norm = trained
-    runtime = Runtime()
-    models = load_ppo_models(
-        PPOInputs(sft_dir, sft_dir, sft_dir, rm_dir, norm, None), cfg.model, cfg.ppo, no_gold, runtime
-    )
-    records = load_prompts(cfg.data.prompts)
-    prompts, _, _ = encode_prompt_set(models.tokenizer, records, 32, "truncate", "prompts")
-    pool = start_reward_pool(cfg.reward)
-    try:
-        source = build_reward_source(cfg.reward, models.scoring, None, pool, runtime, cfg.model)
-        models = dataclasses.replace(models, reward=source)
-        objective = Objective.of(cfg)
-        return ppo_step(models, make_controller(cfg.kl), cfg.ppo, prompts, 0, 0, 1, 4, objective)
-    finally:
-        pool.close()
+    """Step 1, its rule and function sources scored in their worker pool."""
+    return _step(trained, cfg, Runtime())[1]
 
 
 def test_weighted_sources_are_summed_and_each_is_logged(trained, small_assets, tmp_path):
@@ -232,8 +204,8 @@ def test_dynamic_sampling_tries_again_for_equal_groups_and_fills_the_batch(train
 
 def test_dynamic_sampling_keeps_a_batch_of_informative_groups_as_it_is(trained, small_assets, tmp_path):
     cfg = _config(small_assets, tmp_path, "grpo", rollout_batch=4, mini_batch=4)
-    _, m0, prompts = _step(trained, cfg, Runtime())
-    _, m1, _ = _step(trained, _with_algorithm(cfg, dynamic_sampling=True), Runtime(), prompts)
+    _, m0, _ = _step(trained, cfg, Runtime())
+    _, m1, _ = _step(trained, _with_algorithm(cfg, dynamic_sampling=True), Runtime())
     assert (m1["rollout/filtered_groups"], m1["rollout/sampling_tries"]) == (0.0, 1.0)  # reward-model scores
     for key in ("rollout/response_ids_crc32", "actor/pg_loss", "actor/grad_norm"):
         assert m1[key] == m0[key], key
@@ -273,3 +245,16 @@ def test_lora_actor_trains_adapters_and_its_reference_is_itself_with_adapters_of
         base = sft(input_ids=ids).logits
         assert torch.equal(models.scoring.reference(input_ids=ids).logits, base)  # the base never trained
         assert not torch.allclose(models.actor.model(input_ids=ids).logits, base)  # the adapters did
+
+
+def test_a_steps_timings_add_the_step_and_what_no_phase_timed():
+    from types import SimpleNamespace
+
+    from rlflow.engine.stages.rl.step import with_timings
+
+    exp = SimpleNamespace(batch=SimpleNamespace(attention_mask=torch.ones(2, 5)))  # 10 tokens
+    phases = {"timing_s/gen": 1.0, "timing_s/update_actor": 0.5, "timing_s/wait_rollout": 0.7, "rollout/x": 3.0}
+    out = with_timings({"actor/kl": 0.1}, phases, 2.0, exp)
+    # other = step - the phases (the waits overlap them; a worker's figures are no seconds)
+    assert out["timing_s/step"] == 2.0 and out["timing_s/other"] == pytest.approx(0.5)
+    assert out["perf/throughput"] == 5.0 and out["actor/kl"] == 0.1 and out["timing_s/wait_rollout"] == 0.7

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from conftest import RecordingSink, rl_inputs
 from helpers.chat_model import write_chat_model
 from helpers.stage_ctx import make_ctx
+from helpers.stage_ctx import run as run_stage
 from rlflow.engine.config.schema import build_config
-from rlflow.engine.stages.rl.stage import PPOInputs, run_ppo_stage
 
 TURNS = [1, 2, 3, 2]  # mean 2: one tool call per episode on average
 
@@ -22,7 +22,7 @@ def chat_run(tmp_path_factory):
     return write_chat_model(tmp_path_factory.mktemp("chat"), rows)
 
 
-def run(chat_run, tmp_path, algorithm: str):
+def train(chat_run, tmp_path, algorithm: str):
     model = str(chat_run / "model")
     tree = {
         "run": {"name": "t", "root": str(tmp_path), "rounds": 1},
@@ -31,8 +31,9 @@ def run(chat_run, tmp_path, algorithm: str):
                  "chat_template": "auto"},
         "algorithm": {"name": algorithm},
         "rollout": {"n": 2},
-        "ppo": {"steps": 2, "rollout_batch": 4, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3,
-                "critic_init": "policy"},
+        "rl": {"steps": 2, "rollout_batch": 4, "mini_batch": 4, "epochs": 1, "actor_lr": 1e-3},
+        "ppo": {"critic_init": "policy"},
+        "gold": {"fn": "helpers.reward_fns:zero"},
         "kl": {"stop_above": None},
         "reward": {"sources": [{"name": "length", "type": "function", "fn": "helpers.reward_fns:scaled_length",
                                 "kwargs": {"scale": 0.1}}]},
@@ -44,16 +45,14 @@ def run(chat_run, tmp_path, algorithm: str):
     cfg = build_config(tree, "t")
     sink = RecordingSink()
     critic = model if algorithm == "ppo" else None
-    inputs = rl_inputs(cfg, PPOInputs(model, model, model, None, None, critic), lambda prompt, response, **f: 0.0,
-                       reward=cfg.reward, env=cfg.env)
-    outcome = run_ppo_stage(make_ctx(tmp_path, "ppo", sink=sink, every=2), inputs)
+    outcome = run_stage(make_ctx(tmp_path, "rl", sink=sink, every=2), rl_inputs(cfg, model, critic=critic))
     return outcome, sink
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_a_multi_turn_run_trains_on_episodes_of_the_lengths_the_env_gives(chat_run, tmp_path, algorithm):
-    outcome, sink = run(chat_run, tmp_path, algorithm)
-    assert outcome.metrics["ppo/steps"] == 2
+    outcome, sink = train(chat_run, tmp_path, algorithm)
+    assert outcome.metrics["rl/steps"] == 2
     assert [v for _, v in sink.series("env/turns")] == [2.0, 2.0]  # every prompt twice a step
     assert [v for _, v in sink.series("env/tool_calls")] == [1.0, 1.0]
     assert [v for _, v in sink.series("env/truncated")] == [0.0, 0.0]
