@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LORA = "'model.lora={r: 16, alpha: 32, target_modules: all-linear, modules_to_save: [embed_tokens], stages: [rm, ppo]}'"
+LORA = "'model.lora={r: 16, alpha: 32, target_modules: all-linear, modules_to_save: [embed_tokens], stages: [rm, rl]}'"
 DPO = "algorithm.name=dpo dpo.rpo_alpha=1 dpo.lr=3e-4 dpo.epochs=2 label.online_from_round=0 label.prompts_per_round=2048 hacking.enabled=false"
 RUNS = {  # name -> (make target, overrides)
     "demo-s0": ("demo", "run.seed=0"),

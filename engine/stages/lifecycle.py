@@ -35,6 +35,11 @@ from rlflow.engine.stages.identity import IDENTITY_FORMAT, changed_keys, legacy_
 
 log = logging.getLogger(__name__)
 
+# The RL stage was named "ppo" until rlflow 0.2, and a stage's random state is seeded from its name (what
+# draws from it: LoRA's adapter initialisation). It keeps the old name's seed, so a config gives the run
+# it gave before the rename (bench/summaries.py's lora-s0 differed in its adapters without this).
+SEED_NAMES = {"rl": "ppo"}
+
 
 def completed_outcome(ctx: StageContext) -> StageOutcome | None:
     """The recorded outcome if this stage already finished with the same identity.
@@ -167,7 +172,7 @@ def start_stage(ctx: StageContext) -> tuple[int | None, tuple[str, ...]]:
 
     An interrupted stage whose config, inputs or data changed is an error otherwise: resuming
     would silently mix two configurations, restarting would silently drop the steps done."""
-    seed_everything(step_seed(ctx.seed, ctx.round_index, zlib.crc32(ctx.stage.encode())))
+    seed_everything(step_seed(ctx.seed, ctx.round_index, zlib.crc32(SEED_NAMES.get(ctx.stage, ctx.stage).encode())))
     step, newest = latest_resumable(ctx), ctx.store.latest()
     if newest is None or newest == step or _resumable(ctx, ctx.store.manifest(newest)["meta"]):
         if step is not None:

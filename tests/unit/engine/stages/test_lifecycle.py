@@ -3,6 +3,7 @@ checkpoints; continuing under a changed identity is refused unless resume.allow_
 set, which continues and reports the changed keys; a stage written by rlflow 0.1 is refused either way."""
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -110,3 +111,23 @@ def test_threads_come_from_omp_num_threads_when_it_is_set_and_from_the_config_ot
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_stage_is_seeded_from_its_name_and_the_rl_stage_keeps_the_seed_it_had_as_ppo(tmp_path):
+    """LoRA draws its adapters from the stage's random state: the rename of ppo to rl must not change
+    which adapters a config starts from (bench/summaries.py's lora-s0 pipeline did, before this)."""
+    from helpers.stage_ctx import make_ctx
+    from rlflow.engine.seeds import seed_everything, step_seed
+    from rlflow.engine.stages.lifecycle import start_stage
+
+    def drawn_after_start(stage):
+        assert start_stage(make_ctx(tmp_path / stage, stage)) == (None, ())
+        return torch.rand(4)
+
+    def drawn_after_seed(name):
+        seed_everything(step_seed(0, 0, zlib.crc32(name.encode())))
+        return torch.rand(4)
+
+    assert torch.equal(drawn_after_start("rl"), drawn_after_seed("ppo"))
+    assert torch.equal(drawn_after_start("sft"), drawn_after_seed("sft"))
+    assert not torch.equal(drawn_after_seed("rl"), drawn_after_seed("ppo"))
