@@ -22,7 +22,7 @@ from rlflow.engine.stages.inputs import Upstream
 from rlflow.engine.storage.checkpoint import CheckpointStore, stage_prefix
 from rlflow.engine.storage.errors import STORAGE_ERRORS, describe_storage_error
 from rlflow.engine.telemetry.progress import events_path
-from rlflow.flows.wiring import PENDING, PlannedStage, RoundPlanner, next_start, round_start, run_round, summary_row
+from rlflow.flows.wiring import PENDING, PlannedStage, RoundOutputs, RoundPlanner, run_rounds, summary_row
 
 OVERRIDES_FILE = "promotion_overrides.json"  # at the top of the run: {"rounds": {"<N>": {by, reason, at}}}
 
@@ -138,19 +138,14 @@ def plan_run(config: Config) -> list[StageState]:
     from the round's recorded evaluation, as a continued run decides it)."""
     reader = StoreReader(config)
     promoted_by_hand = read_overrides(config) if config.run.name else {}
-    policy: str | StageOutcome = config.model.init_path
-    sft: str | StageOutcome = config.model.init_path
-    labels: list[StageOutcome] = []
-    rejected = None
-    for r in range(config.run.rounds):
-        outputs = run_round(config, reader, r, policy, sft, labels, rejected)
-        start, sft = round_start(config, r, policy, outputs.sft), outputs.sft
-        promoted = True
-        evaluated = not outputs.evaluation.manifest_sha256.startswith(PENDING)
-        if config.promotion.enabled and evaluated:
-            row = summary_row(r, outputs.rm, outputs.evaluation)
-            promoted = decide_promotion(row, config.promotion.gates, promoted_by_hand.get(r)).promoted
-        policy, rejected = next_start(outputs, start, promoted)
+
+    def promote(r: int, outputs: RoundOutputs, seconds: float) -> bool:
+        if not config.promotion.enabled or outputs.evaluation.manifest_sha256.startswith(PENDING):
+            return True
+        row = summary_row(r, outputs.rm, outputs.evaluation)
+        return decide_promotion(row, config.promotion.gates, promoted_by_hand.get(r)).promoted
+
+    run_rounds(config, reader, promote)
     return reader.lines
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +27,7 @@ from rlflow.flows.compare import format_cell
 from rlflow.flows.promotion import Promotion, answer_rejection, settle_promotion
 from rlflow.flows.report import build_report
 from rlflow.flows.rounds import TaskRunner, lineage_tags
-from rlflow.flows.wiring import RoundOutputs, next_start, round_start, run_round, summary_row
-from rlflow.tasks.stages import StageResult
+from rlflow.flows.wiring import RoundOutputs, run_rounds, summary_row
 from rlflow.tasks.tracking import RunTracker, register_policy, registered_model_name, resolve_tracking_uri
 from rlflow.engine.config.secrets import SECRETS_ENV
 
@@ -142,27 +140,25 @@ def run_pipeline(config: dict[str, Any], secret_tree: dict[str, Any], source: st
     with opened_run(config, secret_tree, source) as run:
         cfg, tracker, logger = run.config, run.tracker, run.logger
         planner = TaskRunner(cfg, run.parent_run_id)
-        policy: str | StageResult = cfg.model.init_path
-        sft: str | StageResult = cfg.model.init_path
-        labels: list[StageResult] = []
         rows: list[dict[str, Any]] = []
         champion: str | None = None  # the registered version promoted last
-        rejected: StageResult | None = None  # the last round's candidate, if the gates rejected it
-        for r in range(cfg.run.rounds):
-            started = time.monotonic()
-            outputs = run_round(cfg, planner, r, policy, sft, labels, rejected)
-            start, sft = round_start(cfg, r, policy, outputs.sft), outputs.sft
-            row = summary_row(r, outputs.rm, outputs.evaluation) | {"seconds": round(time.monotonic() - started, 1)}
+
+        def promote(r: int, outputs: RoundOutputs, seconds: float) -> bool:
+            """Record round r (summary row, registered version), then the promotion gates' decision."""
+            nonlocal champion
+            row = summary_row(r, outputs.rm, outputs.evaluation) | {"seconds": round(seconds, 1)}
             rows.append(row)
             version = register_round(run, planner, r, outputs)
             promoted = True
             if cfg.promotion.enabled:
                 outcome = decide_round(run, r, row, version, champion, rows)
                 champion, promoted = outcome.champion_version, outcome.decision.promoted
-            policy, rejected = next_start(outputs, start, promoted)
             url = write_summary(cfg, rows)
             logger.info("round %d done: gold %.3f -> %.3f (summary: %s)", r, row["gold_score_before"],
                         row["gold_score_after"], url)
+            return promoted
+
+        policy = run_rounds(cfg, planner, promote)
         summary = json.dumps({"run": cfg.run.name, "rounds": rows}, indent=2)
         tracker.sink(run.parent_run_id).log_text("summary.json", summary)
     final_policy = policy if isinstance(policy, str) else policy.checkpoint_uri

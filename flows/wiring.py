@@ -1,6 +1,6 @@
 """One round's stages and what each passes on to the next, declared once: the flow runs them
 (flows/rounds.py hands each to a Prefect task) and `rlflow run --dry-run` / `rlflow status` read how
-far each got (flows/plan.py), both through `run_round` with a runner of their own.
+far each got (flows/plan.py), both through `run_rounds` with a runner of their own.
 
 A stage's identity is the hash of its inputs record (engine/stages/identity.py), which its own
 `inputs_from` builds from the config and the upstream this module wires in: no stage's keys are
@@ -10,11 +10,14 @@ listed here.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fsspec.core import url_to_fs
 
+from rlflow.engine.config.base import identity_mark
 from rlflow.engine.config.schema import Config
 from rlflow.engine.stages.catalog import stage_inputs
 from rlflow.engine.stages.context import Record, StageOutcome
@@ -63,10 +66,11 @@ class RoundPlanner:
         return ModelInput(uri=value, identity=self.content.model(value))
 
     def data_fingerprints(self) -> dict[str, str]:
-        """sha256 of every data file the config names, by data.<name> (a registered policy's lineage)."""
+        """sha256 of every data file the config names, by data.<name> (a registered policy's lineage):
+        the data.* fields marked by_content("file")."""
         data = self.config.data
-        names = ("sft", "sft_eval", "preferences", "preferences_eval", "prompts", "eval_prompts", "regression")
-        return {n: self.content.file(getattr(data, n)).removeprefix("sha256:") for n in names if getattr(data, n)}
+        files = [n for n, f in type(data).model_fields.items() if (m := identity_mark(f)) and m.kind == "file"]
+        return {n: self.content.file(getattr(data, n)).removeprefix("sha256:") for n in files if getattr(data, n)}
 
 
 def reward_model_input(rm: StageOutcome | None) -> RewardModelInput | None:
@@ -160,21 +164,30 @@ def run_round(
     return RoundOutputs(final, sft, rm, planner.stage("eval", r, evaluated))
 
 
+def run_rounds(
+    config: Config, planner: RoundPlanner, promote: Callable[[int, RoundOutputs, float], bool]
+) -> str | StageOutcome:
+    """Every round in order, each starting from the champion. `promote(r, outputs, seconds)` is the
+    caller's decision on round r's candidate, `seconds` the round's wall time: True, the next round
+    starts from it; False, from what round r started from (its SFT policy if it ran SFT), with the
+    rejected candidate passed on. Returns the policy the last round leaves as champion."""
+    policy: str | StageOutcome = config.model.init_path
+    sft: str | StageOutcome = config.model.init_path
+    labels: list[StageOutcome] = []
+    rejected: StageOutcome | None = None
+    for r in range(config.run.rounds):
+        started = time.monotonic()
+        outputs = run_round(config, planner, r, policy, sft, labels, rejected)
+        start = outputs.sft if r in config.sft.rounds else policy  # what the gates compared the candidate with
+        sft = outputs.sft
+        promoted = promote(r, outputs, time.monotonic() - started)
+        policy, rejected = (outputs.final, None) if promoted else (start, outputs.final)
+    return policy
+
+
 def final_stage(config: Config) -> str:
     """The stage whose output is a round's trained policy: dpo under algorithm.name=dpo, else rl."""
     return "dpo" if config.algorithm.name == "dpo" else "rl"
-
-
-def next_start(
-    outputs: RoundOutputs, start: str | StageOutcome, promoted: bool
-) -> tuple[str | StageOutcome, StageOutcome | None]:
-    """(the next round's policy, the rejected candidate or None) after a round's promotion decision."""
-    return (outputs.final, None) if promoted else (start, outputs.final)
-
-
-def round_start(config: Config, r: int, policy: str | StageOutcome, sft: str | StageOutcome) -> str | StageOutcome:
-    """What round r's RL (or DPO) started from, what its gates compare the candidate with."""
-    return sft if r in config.sft.rounds else policy
 
 
 def summary_row(r: int, rm: StageOutcome | None, evaluation: StageOutcome) -> dict[str, Any]:

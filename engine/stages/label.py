@@ -14,7 +14,7 @@ from rlflow.engine.config.stages import LabelConfig
 from rlflow.engine.data.batching import batch_indices
 from rlflow.engine.data.prompts import encode_prompt_set
 from rlflow.engine.data.records import PromptRecord, load_prompts
-from rlflow.engine.models.loading import load_policy, load_tokenizer
+from rlflow.engine.models.loading import load_policy, load_tokenizer, model_kwargs
 from rlflow.engine.rewards.user_functions import load_function
 from rlflow.engine.rollout.generate import generate_rollouts
 from rlflow.engine.seeds import step_seed
@@ -69,7 +69,7 @@ def sample_answer_pairs(
     by the policy: what a labeller (a function, or raters after `rlflow label export`) compares.
     The prompts and draws are a function of (seed, round)."""
     tokenizer = load_tokenizer(policy_path, model.trust_remote_code, chat_template=data.chat_template)
-    policy = load_policy(policy_path, model.dtype, model.trust_remote_code).eval()
+    policy = load_policy(policy_path, **model_kwargs(model)).eval()  # model.attn_implementation too
     records = load_prompts(data.prompts, data.storage_options)
     chosen_idx = batch_indices(len(records), min(n_prompts, len(records)), 1, seed, round_index, 6)
     prompts, _, _ = encode_prompt_set(
