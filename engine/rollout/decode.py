@@ -59,7 +59,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
         # On a GPU the costs are kernel launches, not CPU matmul layouts; unmeasured there, and
-        # vLLM is the GPU sampler (engine/rollout/worker_vllm.py).
+        # vLLM is the GPU sampler (engine/rollout/vllm_replica.py).
         return f"parameters on {sorted(devices)} (this loop is measured on CPU only)"
     if any(p.numel() == 0 for p in model.parameters()):
         return "partitioned weights (ZeRO-3)"

@@ -15,7 +15,6 @@ the trainer goes away.
 
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 import struct
@@ -33,11 +32,12 @@ import torch
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.models.tokens import stop_token_ids
+from rlflow.engine.rollout.staging import Staging
 from rlflow.engine.rollout.worker_samples import Generation, generation_from_reply
 from rlflow.engine.rollout.worker import GenerateRequest, PeerClosed, recv_message, send_message
 from rlflow.engine.rollout.weight_sync import iter_buckets, pack_bucket
 
-WORKER_MODULES = {"hf": "rlflow.engine.rollout.worker_session", "vllm": "rlflow.engine.rollout.worker_vllm"}
+WORKER_MODULES = {"hf": "rlflow.engine.rollout.worker_session"}  # vllm: engine/rollout/vllm_replica.py
 POLL_S = 0.2  # how often a waiting client checks that the worker is still alive
 LOG_TAIL_LINES = 6
 MB = 1 << 20
@@ -57,21 +57,6 @@ class SyncStats:
     buckets: int
     tensors: int
     transport: str  # "shm" or "socket"
-
-
-class _Staging:
-    """A memfd shared with the worker: `slots` regions of slot_bytes, so packing overlaps loading."""
-
-    def __init__(self, slot_bytes: int, slots: int = 2):
-        self.slot_bytes, self.slots = slot_bytes, slots
-        self.fd = os.memfd_create("rlflow-weight-staging", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, slot_bytes * slots)
-        self.map = mmap.mmap(self.fd, slot_bytes * slots)
-        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
-
-    def close(self) -> None:
-        self.buffer = None
-        os.close(self.fd)
 
 
 def _cleanup(proc: subprocess.Popen, paths: list[str]) -> None:
@@ -102,7 +87,7 @@ class RolloutClient:
         self.sock: socket.socket | None = None
         self.dtype = torch.float32  # the worker's weight dtype, from its ready message
         self.info: dict[str, Any] = {}
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._inline = torch.empty(0, dtype=torch.uint8)
         self._failed: str | None = None
         self._outstanding = 0  # generate requests sent, replies not yet collected
@@ -432,7 +417,7 @@ class RolloutClient:
             header = {"op": "load_bucket", "index": index, "nbytes": bucket.nbytes}
             header["tensors"] = [e.to_json() for e in bucket.entries]
             if transport == "shm":
-                offset = (index % self._staging.slots) * self._staging.slot_bytes
+                offset = self._staging.slot_offset(index)
                 pack_bucket(bucket, self._staging.buffer[offset : offset + bucket.nbytes])
                 self._send(header | {"source": "staging", "offset": offset})
             else:
@@ -471,7 +456,7 @@ class RolloutClient:
     def _attach_staging(self, slot_bytes: int) -> None:
         if self._staging is not None:
             self._staging.close()
-        self._staging = _Staging(slot_bytes)
+        self._staging = Staging(slot_bytes)
         self._send({"op": "attach_staging", "nbytes": slot_bytes * self._staging.slots})
         try:  # one byte carrying the memfd (SCM_RIGHTS): the worker maps the same pages, nothing is named
             socket.send_fds(self.sock, [b"F"], [self._staging.fd])

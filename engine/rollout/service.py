@@ -68,13 +68,16 @@ class RolloutService:
         cfg.off_policy_steps > 0, `ahead` says what each step samples and where the run stands.
         A collective under ZeRO-3."""
         client = None
-        if dist.is_main():
+        if dist.is_main() and cfg.server_backend == "vllm":
+            from rlflow.engine.rollout.vllm_replica import start_vllm_client
+
+            client = start_vllm_client(cfg, model_dir, tokenizer, log_path, cuda_visible_devices)
+        elif dist.is_main():
             from rlflow.engine.rollout.server import RolloutClient
 
             client = RolloutClient.start(
                 cfg.server_backend,
                 model_dir,
-                python=cfg.vllm_python if cfg.server_backend == "vllm" else None,
                 startup_timeout_s=cfg.startup_timeout_s,
                 threads=cfg.threads,
                 response_timeout_s=cfg.response_timeout_s,

@@ -3,11 +3,8 @@
 The process (engine/rollout/worker_session.py, run by `RolloutClient.start`, never by hand)
 connects to the trainer's Unix socket, loads the model, says "ready", then answers requests until
 the trainer says "shutdown" or goes away. The protocol is docs/rollout-protocol.md: every message
-is a fixed prefix, a JSON header and optional raw bytes (never pickle). The vLLM worker
-(`worker_vllm`) reuses everything here except the backend.
-
-Top-level imports stay light (stdlib, torch, weight_sync): the vLLM environment imports this
-module too, and it has no fsspec/prefect.
+is a fixed prefix, a JSON header and optional raw bytes (never pickle). A vLLM rollout replica is an
+HTTP server instead (engine/rollout/replica.py, vllm_replica.py).
 """
 
 from __future__ import annotations

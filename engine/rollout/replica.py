@@ -1,0 +1,328 @@
+"""A rollout replica, trainer side: an HTTP server that samples and takes new weights.
+
+    client = ReplicaClient(url, key, tokenizer, name="vllm-0")
+    generation = client.generate(prompts, params, seed)        # token ids in, ids + log-probs out
+    stats = client.update_weights(policy.named_parameters(), bucket_mb=256, version=1)
+    assert client.fingerprint() == weights_fingerprint(policy.named_parameters(), round_to=client.dtype)
+
+The routes are vLLM 0.32's, so a replica is a vLLM server (started by rlflow, or an external fleet
+named by rollout.endpoints):
+- `POST /inference/v1/generate`: one request per row, prompt token ids in; sampled ids, per-token
+  log-probs (after temperature: the server runs with `--logprobs-mode processed_logprobs`) and
+  the weight version of each token span out. Nothing is tokenised or decoded on the way.
+- the RL routes: `/pause`, `/resume`, `/init_weight_transfer_engine`, `/start_weight_update`,
+  `/update_weights`, `/finish_weight_update`, `/update_weight_version`, `/weight_info`.
+
+Every request carries the replica's key (engine/rollout/replica_auth.py); every wait is bounded by
+`timeout_s`. Weights travel through the transfer engine named at `attach` (rlflow_shm: a memfd on
+this host, engine/rollout/vllm_transfer.py); the replica reports the fingerprint of what it loaded
+in the same memory.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import requests
+import torch
+
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.errors import RlflowError
+from rlflow.engine.models.tokens import stop_token_ids
+from rlflow.engine.rollout.replica_auth import auth_header
+from rlflow.engine.rollout.staging import REPORT_BYTES, Staging
+from rlflow.engine.rollout.weight_sync import DTYPES, iter_buckets, pack_bucket
+
+MB = 1 << 20
+SHM_BACKEND = "rlflow_shm"  # engine/rollout/vllm_transfer.py registers it under this name
+MAX_PARALLEL_ROWS = 64  # rows in flight per replica; the server batches what arrives together
+
+
+class ReplicaError(RlflowError):
+    """A replica refused a request, did not answer in time, or answered something malformed."""
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight update: log seconds as timing_s/update_weights and gb_per_s as rollout/sync_gb_per_s."""
+
+    seconds: float
+    bytes: int  # tensor bytes sent (alignment padding excluded)
+    gb_per_s: float
+    buckets: int
+    tensors: int
+    transport: str
+
+
+def redact_url(url: str) -> str:
+    """The URL without credentials (user:password@), for every message that prints it."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def row_seed(seed: int, row: int) -> int:
+    """Row i of a request samples with its own seed, so equal prompts in one batch draw independently."""
+    return (seed * 1_000_003 + row) % (1 << 63)
+
+
+def version_label(run_tag: str, version: int) -> str:
+    """The weight version a replica records: the run's tag, so a replica of another run is told apart."""
+    return f"{run_tag}:{version}"
+
+
+class ReplicaClient:
+    """One replica. Generations may be submitted while others run (`submit`/`collect`); weight
+    updates pause the replica first (`pause_mode`: wait lets generations in flight finish with the
+    old weights, keep freezes them and continues them with the new ones)."""
+
+    def __init__(
+        self,
+        url: str,
+        key: str,
+        tokenizer: Any,
+        *,
+        name: str | None = None,
+        run_tag: str = "rlflow",
+        timeout_s: float = 600.0,
+        on_failure: Callable[[], str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
+        self.url, self.name = url.rstrip("/"), name or redact_url(url)
+        self.tokenizer, self.run_tag, self.timeout_s = tokenizer, run_tag, timeout_s
+        self._headers = auth_header(key)
+        self._session = requests.Session()
+        self._pool = ThreadPoolExecutor(MAX_PARALLEL_ROWS, thread_name_prefix=f"replica-{self.name}")
+        self._pending: dict[int, list[Future]] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._staging: Staging | None = None
+        self.on_failure = on_failure  # says why (e.g. the replica process died, quoting its log)
+        self.on_close = on_close  # stops a replica this client owns
+        self.dtype = torch.float32  # the replica's weight dtype, from its transfer engine's report
+        self.version: int | None = None  # the policy version the replica holds, as this client set it
+        self.concurrent = False  # kept for the RolloutClient interface: HTTP requests never block each other
+        self.worker_idle_s = 0.0
+
+    # --- HTTP ------------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict[str, Any]:
+        try:
+            response = self._session.request(
+                method, self.url + path, json=body, params=params or None, headers=self._headers, timeout=self.timeout_s
+            )
+        except requests.Timeout:
+            self._fail(f"{path} got no answer within {self.timeout_s:g} s (rollout.response_timeout_s)")
+        except requests.ConnectionError as exc:
+            self._fail(f"{path} could not connect ({type(exc).__name__})")
+        if response.status_code == 401:
+            self._fail(f"{path} was refused (401): the replica wants another API key")
+        if response.status_code >= 400:
+            self._fail(f"{path} answered {response.status_code}: {response.text[:300]}")
+        try:
+            return response.json() if response.content else {}
+        except ValueError:
+            self._fail(f"{path} answered something that is not JSON: {response.text[:120]!r}")
+
+    def _fail(self, what: str) -> Any:
+        detail = self.on_failure() if self.on_failure is not None else ""
+        raise ReplicaError(f"rollout replica {self.name}: {what}" + (f"; {detail}" if detail else ""))
+
+    def health(self) -> bool:
+        try:
+            return self._session.get(self.url + "/health", timeout=min(self.timeout_s, 5.0)).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def load(self) -> int:
+        """Generations the replica's HTTP server holds (GET /load), admitted to its engine or not."""
+        return int(self._call("GET", "/load").get("server_load", 0))
+
+    def running(self) -> int:
+        """Generations its engine is sampling now (the vllm:num_requests_running gauge of GET /metrics)."""
+        response = self._session.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout_s)
+        values = [
+            line.rsplit(" ", 1)[-1]
+            for line in response.text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        ]
+        return int(sum(float(v) for v in values))
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> Any:
+        return self.collect(self.submit(prompts, params, seed))
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, *, priority: bool = False, **_: Any
+    ) -> int:
+        """Send one request per row and return at once; `collect` waits for them."""
+        stops = [int(t) for t in stop_token_ids(self.tokenizer)]
+        futures = [
+            self._pool.submit(self._generate_row, [int(t) for t in prompt], params, row_seed(seed, i), stops, priority)
+            for i, prompt in enumerate(prompts)
+        ]
+        with self._lock:
+            request_id, self._next_id = self._next_id, self._next_id + 1
+            self._pending[request_id] = futures
+        return request_id
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def collect(self, request_id: int | None = None) -> Any:
+        from rlflow.engine.rollout.worker_samples import Generation
+
+        with self._lock:
+            if not self._pending:
+                raise ReplicaError(f"rollout replica {self.name}: collect() with no request outstanding")
+            request_id = min(self._pending) if request_id is None else request_id
+            futures = self._pending.pop(request_id)
+        rows = [f.result() for f in futures]
+        return Generation([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+    def _generate_row(
+        self, prompt: list[int], params: SamplingParams, seed: int, stops: list[int], priority: bool
+    ) -> tuple[list[int], list[float], list[int]]:
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": params.max_new_tokens,
+            "seed": seed,
+            "logprobs": 0,
+            "stop_token_ids": stops,
+            "detokenize": False,
+        }
+        reply = self._call("POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": sampling})
+        return self._parse_row(reply, params.max_new_tokens)
+
+    def _parse_row(self, reply: dict[str, Any], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
+        """Token ids, log-probs and per-token versions of one answer; anything malformed is an error."""
+        try:
+            choice = reply["choices"][0]
+            ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(c["logprob"]) for c in choice["logprobs"]["content"]]
+            spans = choice.get("weight_versions") or []
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            self._fail(f"/inference/v1/generate answered without token ids and log-probs ({type(exc).__name__}: {exc})")
+        if not ids or len(ids) > max_tokens:
+            self._fail(f"/inference/v1/generate answered {len(ids)} tokens; asked for 1 to {max_tokens}")
+        if len(logprobs) != len(ids):
+            self._fail(f"/inference/v1/generate answered {len(ids)} tokens but {len(logprobs)} log-probs")
+        bad = [x for x in logprobs if math.isnan(x) or x > 1e-6]
+        if bad:
+            self._fail(f"/inference/v1/generate answered log-prob {bad[0]} (NaN or positive)")
+        return ids, logprobs, self._token_versions(spans, len(ids))
+
+    def _token_versions(self, spans: list[dict[str, Any]], length: int) -> list[int]:
+        versions = [-1] * length
+        for span in spans:
+            tag, _, number = str(span.get("version", "")).rpartition(":")
+            if tag != self.run_tag or not number.isdigit():
+                self._fail(
+                    f"sampled with weight version {span.get('version')!r}, not one of this run's ({self.run_tag}:N):"
+                    " the replica holds weights rlflow did not send it"
+                )
+            for i in range(int(span["start"]), min(int(span["end"]), length)):
+                versions[i] = int(number)
+        if -1 in versions:
+            self._fail("/inference/v1/generate left tokens without a weight version")
+        return versions
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    def attach(self, slot_bytes: int) -> None:
+        """Create the shared staging memory and have the replica's transfer engine map it."""
+        if self._staging is not None:
+            self._staging.close()
+        self._staging = Staging(slot_bytes, slots=2, report_bytes=REPORT_BYTES)
+        self._call(
+            "POST",
+            "/init_weight_transfer_engine",
+            {"init_info": {"path": self._staging.path, "nbytes": self._staging.nbytes}},
+        )
+        report = self._staging.read_report()
+        if report.get("dtype") not in DTYPES:
+            self._fail(f"its transfer engine reported dtype {report.get('dtype')!r}; is it started with {SHM_BACKEND}?")
+        self.dtype = DTYPES[report["dtype"]]
+
+    def pause(self, mode: str = "wait") -> None:
+        self._call("POST", "/pause", mode=mode)
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def weight_version(self) -> str | None:
+        return self._call("GET", "/weight_info").get("weight_version")
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_mb: float = 256,
+        *,
+        version: int | None = None,
+        pause_mode: str = "wait",
+        **_: Any,
+    ) -> SyncStats:
+        """Pause, start / update per bucket / finish through the transfer engine, record the version, resume."""
+        started = time.monotonic()
+        bucket_bytes = max(1, int(bucket_mb * MB))
+        buckets = tensors = sent = 0
+        self.pause(pause_mode)
+        try:
+            self._call("POST", "/start_weight_update")
+            for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
+                if self._staging is None or bucket.nbytes > self._staging.slot_bytes:
+                    self.attach(max(bucket_bytes, bucket.nbytes))
+                offset = self._staging.slot_offset(index)
+                pack_bucket(bucket, self._staging.buffer[offset : offset + bucket.nbytes])
+                info = {"offset": offset, "nbytes": bucket.nbytes, "tensors": [e.to_json() for e in bucket.entries]}
+                self._call("POST", "/update_weights", {"update_info": info})
+                buckets, tensors = buckets + 1, tensors + len(bucket.entries)
+                sent += sum(e.nbytes for e in bucket.entries)
+            self._call("POST", "/finish_weight_update")
+            if version is not None:
+                self._call("POST", "/update_weight_version", {"new_version": version_label(self.run_tag, version)})
+                self.version = version
+        finally:
+            self.resume()
+        report = self._staging.read_report() if self._staging is not None else {}
+        if report.get("tensors") != tensors:
+            self._fail(f"loaded {report.get('tensors')} tensors of the {tensors} sent")
+        seconds = time.monotonic() - started
+        return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, SHM_BACKEND)
+
+    def fingerprint(self, meanwhile: Callable[[], None] | None = None) -> str:
+        """The fingerprint of the weights the replica loaded in its last update (computed while it loaded)."""
+        if meanwhile is not None:
+            meanwhile()
+        if self._staging is None:
+            self._fail("fingerprint() before any weight update")
+        return str(self._staging.read_report().get("fingerprint"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._session.close()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
+
+    def __enter__(self) -> ReplicaClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

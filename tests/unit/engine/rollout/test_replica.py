@@ -1,0 +1,77 @@
+"""The replica client's checks without a server: what a malformed answer, a credential in a URL or an
+unreachable replica become."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlflow.engine.rollout.replica import ReplicaClient, ReplicaError, redact_url, row_seed, version_label
+
+
+class Tokenizer:
+    eos_token_id = 2
+    pad_token_id = 0
+
+
+@pytest.fixture
+def client():
+    client = ReplicaClient("http://user:pw@127.0.0.1:9/", "k", Tokenizer(), run_tag="run-a")
+    yield client
+    client.close()
+
+
+def answer(ids, logprobs, spans=None):
+    content = [{"token_id": t, "logprob": x} for t, x in zip(ids, logprobs)]
+    spans = spans if spans is not None else [{"version": "run-a:3", "start": 0, "end": len(ids)}]
+    return {"choices": [{"token_ids": ids, "logprobs": {"content": content}, "weight_versions": spans}]}
+
+
+def test_a_well_formed_answer_is_ids_logprobs_and_versions(client):
+    spans = [{"version": "run-a:3", "start": 0, "end": 2}, {"version": "run-a:4", "start": 2, "end": 3}]
+    ids, logprobs, versions = client._parse_row(answer([5, 6, 2], [-0.5, -1.0, 0.0], spans), max_tokens=4)
+    assert (ids, logprobs, versions) == ([5, 6, 2], [-0.5, -1.0, 0.0], [3, 3, 4])
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [
+        (answer([5, 6, 7, 8, 9], [-1.0] * 5), "answered 5 tokens; asked for 1 to 4"),
+        (answer([], []), "answered 0 tokens"),
+        (answer([5, 6], [-1.0]), "answered 2 tokens but 1 log-probs"),
+        (answer([5, 6], [-1.0, math.nan]), "answered log-prob nan"),
+        (answer([5, 6], [-1.0, 0.25]), "answered log-prob 0.25"),
+        (answer([5], [-1.0], [{"version": "default", "start": 0, "end": 1}]), "weight version 'default'"),
+        (answer([5], [-1.0], [{"version": "run-b:3", "start": 0, "end": 1}]), "weight version 'run-b:3'"),
+        (
+            answer([5, 6], [-1.0, -1.0], [{"version": "run-a:3", "start": 0, "end": 1}]),
+            "tokens without a weight version",
+        ),
+        ({"choices": []}, "without token ids and log-probs"),
+        ({"choices": [{"token_ids": [1]}]}, "without token ids and log-probs"),
+    ],
+)
+def test_a_malformed_answer_is_an_error_naming_the_replica(client, reply, message):
+    with pytest.raises(ReplicaError, match="rollout replica http://\\*\\*\\*@127.0.0.1:9/: ") as caught:
+        client._parse_row(reply, max_tokens=4)
+    assert message in str(caught.value)
+    assert "pw" not in str(caught.value)
+
+
+def test_credentials_in_an_endpoint_url_are_redacted():
+    assert redact_url("https://alice:s3cret@fleet.example:8000/v") == "https://***@fleet.example:8000/v"
+    assert redact_url("http://10.0.0.7:8000") == "http://10.0.0.7:8000"
+
+
+def test_row_seeds_differ_per_row_and_versions_carry_the_run():
+    assert len({row_seed(7, i) for i in range(64)}) == 64
+    assert row_seed(7, 0) != row_seed(8, 0)
+    assert version_label("run-a", 12) == "run-a:12"
+
+
+def test_an_unreachable_replica_is_an_error_not_a_hang():
+    client = ReplicaClient("http://127.0.0.1:9", "k", Tokenizer(), name="r0", timeout_s=5)
+    with pytest.raises(ReplicaError, match="rollout replica r0: /pause could not connect"):
+        client.pause()
+    client.close()
