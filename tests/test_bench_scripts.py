@@ -37,6 +37,7 @@ PARSE = {
     "off_policy_bench.py": "the orchestrator: its workers run above; it adds 50m and SmolLM2 sizes",
     "ppo_vs_trl.py": "the orchestrator: TRL (.bench/trl) and SmolLM2; its rlflow workers run above",
     "promotion_noise.py": "a finished run of the demo",
+    "vllm_bench.py": "SmolLM2 through three samplers, a vLLM replica among them (minutes)",
 }
 # Imported only: no command line of their own.
 IMPORT = {

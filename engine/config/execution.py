@@ -240,11 +240,6 @@ class RolloutConfig(Section):
                 "rollout.partial_rollouts=true continues generations across weight updates, which only"
                 " rollout.async=true sends mid-generation; set rollout.async=true or rollout.partial_rollouts=false"
             )
-        if self.partial_rollouts and self.server_backend == "vllm":
-            raise ValueError(
-                "rollout.partial_rollouts=true is not supported by rollout.server_backend=vllm yet (its engine"
-                " finishes a request under one set of weights); use server_backend=hf or partial_rollouts=false"
-            )
         return self
 
     @property

@@ -238,11 +238,6 @@ class Config(Section):
                 f"model.lora needs engine.backend=torch for now (got {self.engine.backend}): LoRA adapters under"
                 " DeepSpeed ZeRO are not supported yet; set engine.backend=torch or remove model.lora"
             )
-        if self.model.lora is not None and self.rollout.mode == "server" and self.rollout.server_backend == "vllm":
-            raise ValueError(
-                "model.lora with rollout.server_backend=vllm is not supported yet: vLLM cannot load a LoRA"
-                " checkpoint directory; use rollout.server_backend=hf or rollout.mode=colocated, or remove model.lora"
-            )
         return self
 
     @model_validator(mode="after")

@@ -243,6 +243,11 @@ def read_pointer(path: str) -> dict[str, Any]:
     return pointer
 
 
+def lora_base_dir(path: str, key: str = "model.path") -> str:
+    """The base model a LoRA directory's adapters apply to (checked as load_lora_dir checks it)."""
+    return _check_base(path, key, read_pointer(path)["base"])
+
+
 def _check_base(path: str, key: str, base: dict[str, Any]) -> str:
     """The base model path of LoRA directory `path`; ConfigError if it is gone or its weights changed."""
     base_path, recorded = base["path"], base.get("fingerprint")

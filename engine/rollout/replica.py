@@ -97,11 +97,16 @@ class ReplicaClient:
         timeout_s: float = 600.0,
         on_failure: Callable[[], str] | None = None,
         on_close: Callable[[], None] | None = None,
+        pause_mode: str = "wait",
+        check_fingerprint: bool = True,
     ):
         self.url, self.name = url.rstrip("/"), name or redact_url(url)
         self.tokenizer, self.run_tag, self.timeout_s = tokenizer, run_tag, timeout_s
         self._headers = auth_header(key)
         self._session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=MAX_PARALLEL_ROWS + 4)
+        self._session.mount("http://", adapter)  # a connection per row in flight, and the control calls
+        self._session.mount("https://", adapter)
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_ROWS, thread_name_prefix=f"replica-{self.name}")
         self._pending: dict[int, list[Future]] = {}
         self._next_id = 0
@@ -109,6 +114,8 @@ class ReplicaClient:
         self._staging: Staging | None = None
         self.on_failure = on_failure  # says why (e.g. the replica process died, quoting its log)
         self.on_close = on_close  # stops a replica this client owns
+        self.check_fingerprint = check_fingerprint  # the replica digests what it loads (rollout.check_fingerprint)
+        self.pause_mode = pause_mode  # how an update treats generations in flight: wait, or keep (partial rollouts)
         self.dtype = torch.float32  # the replica's weight dtype, from its transfer engine's report
         self.version: int | None = None  # the policy version the replica holds, as this client set it
         self.concurrent = False  # kept for the RolloutClient interface: HTTP requests never block each other
@@ -247,11 +254,8 @@ class ReplicaClient:
         if self._staging is not None:
             self._staging.close()
         self._staging = Staging(slot_bytes, slots=2, report_bytes=REPORT_BYTES)
-        self._call(
-            "POST",
-            "/init_weight_transfer_engine",
-            {"init_info": {"path": self._staging.path, "nbytes": self._staging.nbytes}},
-        )
+        info = {"path": self._staging.path, "nbytes": self._staging.nbytes, "fingerprint": self.check_fingerprint}
+        self._call("POST", "/init_weight_transfer_engine", {"init_info": info})
         report = self._staging.read_report()
         if report.get("dtype") not in DTYPES:
             self._fail(f"its transfer engine reported dtype {report.get('dtype')!r}; is it started with {SHM_BACKEND}?")
@@ -272,14 +276,15 @@ class ReplicaClient:
         bucket_mb: float = 256,
         *,
         version: int | None = None,
-        pause_mode: str = "wait",
+        pause_mode: str | None = None,
         **_: Any,
     ) -> SyncStats:
-        """Pause, start / update per bucket / finish through the transfer engine, record the version, resume."""
+        """Pause (`pause_mode`, default this client's), start / update per bucket / finish through the
+        transfer engine, record the version, resume."""
         started = time.monotonic()
         bucket_bytes = max(1, int(bucket_mb * MB))
         buckets = tensors = sent = 0
-        self.pause(pause_mode)
+        self.pause(pause_mode or self.pause_mode)
         try:
             self._call("POST", "/start_weight_update")
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):

@@ -193,16 +193,20 @@ def replica_cores(threads: int | None) -> str | None:
 
 def start_vllm_client(cfg, model_dir: str, tokenizer, log_path: str | None, cuda_visible_devices: str | None):
     """rollout.server_backend=vllm: a replica started for this stage, and its client (closing the
-    client stops the replica)."""
+    client stops the replica). A LoRA policy starts the replica from its base model: the stage's
+    first sync sends the merged weights before anything is sampled. With rollout.partial_rollouts a
+    weight update freezes the generations in flight (pause mode keep) and they go on under the new
+    weights, each token tagged with its version; otherwise they finish under the old ones (wait)."""
     import secrets as _secrets
 
     import torch
 
+    from rlflow.engine.models.lora import is_lora_dir, lora_base_dir
     from rlflow.engine.rollout.replica import ReplicaClient
 
     options = VLLMOptions(cores=replica_cores(cfg.threads), eager=not torch.cuda.is_available())
     replica = VLLMReplica.start(
-        model_dir,
+        lora_base_dir(model_dir) if is_lora_dir(model_dir) else model_dir,
         python=cfg.vllm_python,
         options=options,
         log_path=log_path,
@@ -219,5 +223,7 @@ def start_vllm_client(cfg, model_dir: str, tokenizer, log_path: str | None, cuda
         timeout_s=cfg.response_timeout_s,
         on_failure=replica.failure,
         on_close=replica.close,
+        pause_mode="keep" if cfg.partial_rollouts else "wait",
+        check_fingerprint=cfg.check_fingerprint,
     )
     return client

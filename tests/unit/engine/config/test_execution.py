@@ -100,8 +100,6 @@ def test_async_rollout_is_spelled_async_needs_a_worker_and_refuses_what_it_canno
         "needs rollout.mode=server \\(got colocated\\); set rollout.mode=server": {"async": True},
         "two schedules of the worker: keep one": server | {"async": True, "off_policy_steps": 1},
         "partial_rollouts=true continues .* set rollout.async=true": server | {"partial_rollouts": True},
-        "not supported by rollout.server_backend=vllm yet": server
-        | {"async": True, "partial_rollouts": True, "server_backend": "vllm"},
         "unknown key 'rollout.async_' in rollout; valid keys: async, bucket_mb": {"async_": True},
     }
     for message, rollout in refusals.items():

@@ -278,8 +278,3 @@ def test_base_model_gone_or_changed_and_deepspeed_are_clear_errors(small_assets,
     tree = small_config_tree(small_assets, tmp_path, model={"lora": LORA}, engine={"backend": "deepspeed"})
     with pytest.raises(ConfigError, match="model.lora needs engine.backend=torch"):
         build_config(tree, "t")
-    tree = small_config_tree(
-        small_assets, tmp_path, model={"lora": LORA}, rollout={"mode": "server", "server_backend": "vllm"}
-    )
-    with pytest.raises(ConfigError, match="model.lora with rollout.server_backend=vllm"):
-        build_config(tree, "t")

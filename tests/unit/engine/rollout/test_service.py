@@ -19,12 +19,13 @@ from rlflow.engine.rollout.weight_sync import WeightSyncError
 STEPS = 3
 
 
-def train(trained, small_assets, tmp_path, name, mode, check_fingerprint=True, **rollout):
+def train(trained, small_assets, tmp_path, name, mode, check_fingerprint=True, model=None, **rollout):
     sft_dir, rm_dir, norm = trained
     cfg = build_config(
         small_config_tree(
             small_assets,
             tmp_path,
+            **({"model": model} if model else {}),
             rl={"steps": STEPS, "rollout_batch": 16, "mini_batch": 8, "actor_lr": 1e-3},
             rollout={"mode": mode, "generate_batch": 8, "bucket_mb": 0.05, "check_fingerprint": check_fingerprint}
             | rollout,
@@ -64,6 +65,33 @@ def test_vllm_rollouts_train_with_the_guard_green_every_step(trained, small_asse
     assert [v for _, v in served.series("rollout/staleness_max")] == [0.0] * STEPS
     assert all(abs(v - 1.0) < 1e-2 for _, v in served.series("rollout/is_weight_mean"))
     assert len(served.series("actor/pg_loss")) == STEPS
+
+
+def test_vllm_rollouts_of_a_lora_actor_get_its_merged_weights(trained, small_assets, tmp_path):
+    """LoRA with vLLM: the replica holds plain weights, and each sync sends the adapters merged in
+    under the plain names (what the fingerprint and the probe check)."""
+    served = train(
+        trained, small_assets, tmp_path, "lora", "server", model={"lora": {"r": 4, "alpha": 8.0}},
+        server_backend="vllm", threads=1,
+    )
+    diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
+    assert len(diffs) == STEPS and max(diffs) < 1e-3
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [{"off_policy_steps": 1}, {"async": True, "max_staleness": 1, "partial_rollouts": True}],
+    ids=["off_policy_1", "async_partial"],
+)
+def test_vllm_rollouts_sample_ahead_within_the_staleness_bound(trained, small_assets, tmp_path, schedule):
+    """Off-policy (the replica samples step t+1 while the trainer trains t) and asynchronous with
+    partial rollouts (an update freezes generations in flight, vLLM's pause mode keep, and they go on
+    under the new weights): the probe after each sync agrees, and no trained row is staler than the bound."""
+    served = train(trained, small_assets, tmp_path, "ahead", "server", server_backend="vllm", threads=1, **schedule)
+    assert len(served.series("actor/pg_loss")) == STEPS
+    assert max(v for _, v in served.series("rollout/staleness_max")) <= 1
+    diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
+    assert diffs and max(diffs) < 1e-3
 
 
 # The client-level tests (test_server.py) cover both faults with and without fingerprints;

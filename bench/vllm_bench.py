@@ -1,0 +1,120 @@
+"""Sampling and weight sync: in-process decode, an HF worker and a vLLM replica, side by side (`make bench`).
+
+    python bench/vllm_bench.py [--model DIR] [--prompts 32] [--new-tokens 32] [--repeats 3] [--out DIR]
+
+On one model (default: SmolLM2-135M-Instruct, models/smollm2-135m-instruct, `make bench` imports it),
+each sampler gets one core (torch threads 1; the replica bound to the last core) and samples the same
+chat prompts, `--repeats` times after a warm-up; then each takes `--repeats` weight updates of the whole
+model (256 MB buckets, fingerprint included). Samplers in turn, never two at once. Prints tokens/s and
+seconds per sync (medians), writes bench/results/vllm-<UTC time>.json, and last
+    RESULT vllm_vs_inprocess_tok_s=<ratio> hf_vs_inprocess_tok_s=<ratio> sync_s_vllm=<s> sync_s_hf=<s>
+Tokens differ between samplers (other kernels, other RNG), so tokens/s counts the tokens each sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        message = [{"role": "user", "content": f"What is {i % 9 + 1} + {(7 * i) % 13 + 2}? Explain."}]
+        ids = tokenizer.apply_chat_template(message, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def timed_samples(sample, repeats: int) -> list[float]:
+    """tokens/s of `repeats` calls after a warm-up; sample() returns the tokens it produced."""
+    sample()
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        tokens = sample()
+        rates.append(tokens / (time.perf_counter() - started))
+    return rates
+
+
+def timed_syncs(client, policy, repeats: int) -> list[float]:
+    seconds = []
+    for version in range(1, repeats + 1):
+        started = time.perf_counter()
+        client.update_weights(policy.named_parameters(), 256, version=version)
+        client.fingerprint()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--out", default=str(HERE / "results"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from rlflow.engine.config.sampling import SamplingParams
+    from rlflow.engine.models.loading import load_policy, load_tokenizer
+    from rlflow.engine.rollout.generate import generate_rollouts
+    from rlflow.engine.rollout.replica import ReplicaClient
+    from rlflow.engine.rollout.server import RolloutClient
+    from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica, replica_cores
+
+    torch.set_num_threads(1)
+    tokenizer, policy = load_tokenizer(args.model), load_policy(args.model).eval()
+    prompts, params = chat_prompts(tokenizer, args.prompts), SamplingParams(1.0, 1.0, args.new_tokens)
+    counted = lambda generation: sum(len(r) for r in generation.response_ids)  # noqa: E731
+    report: dict = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens, "threads": 1}
+
+    def inprocess() -> int:
+        with torch.no_grad():
+            return int(generate_rollouts(policy, tokenizer, prompts, params, seed=0).response_mask.sum())
+
+    report["inprocess_tok_s"] = timed_samples(inprocess, args.repeats)
+    with RolloutClient.start("hf", args.model, threads=1, tokenizer=tokenizer) as hf:
+        report["hf_tok_s"] = timed_samples(lambda: counted(hf.generate(prompts, params, 0)), args.repeats)
+        report["hf_sync_s"] = timed_syncs(hf, policy, args.repeats)
+    options = VLLMOptions(cores=replica_cores(1))
+    replica = VLLMReplica.start(args.model, python=args.vllm_python, options=options)
+    try:
+        with ReplicaClient(replica.url, replica.key, tokenizer, on_failure=replica.failure) as vllm:
+            vllm.update_weights(policy.named_parameters(), 256, version=0)
+            report["vllm_tok_s"] = timed_samples(lambda: counted(vllm.generate(prompts, params, 0)), args.repeats)
+            report["vllm_sync_s"] = timed_syncs(vllm, policy, args.repeats)
+    finally:
+        replica.close()
+
+    medians = {key: statistics.median(values) for key, values in report.items() if isinstance(values, list)}
+    for key, value in medians.items():
+        print(f"{key:>18}: {value:.3g}  (runs: {', '.join(f'{v:.3g}' for v in report[key])})")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"vllm-{stamp}.json").write_text(json.dumps(report | {"medians": medians}, indent=1))
+    base = medians["inprocess_tok_s"]
+    print(
+        f"RESULT vllm_vs_inprocess_tok_s={medians['vllm_tok_s'] / base:.3g}"
+        f" hf_vs_inprocess_tok_s={medians['hf_tok_s'] / base:.3g}"
+        f" sync_s_vllm={medians['vllm_sync_s']:.3g} sync_s_hf={medians['hf_sync_s']:.3g}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
