@@ -7,7 +7,9 @@ each sampler gets one core (torch threads 1; the replica bound to the last core)
 chat prompts, `--repeats` times after a warm-up; then each takes `--repeats` weight updates of the whole
 model (256 MB buckets, fingerprint included). Samplers in turn, never two at once. Prints tokens/s and
 seconds per sync (medians), writes bench/results/vllm-<UTC time>.json, and last
-    RESULT vllm_vs_inprocess_tok_s=<ratio> hf_vs_inprocess_tok_s=<ratio> sync_s_vllm=<s> sync_s_hf=<s>
+    RESULT vllm_vs_inprocess_tok_s=<ratio> hf_vs_inprocess_tok_s=<ratio> sync_s_vllm=<s> sync_s_vllm_gloo=<s>
+           sync_s_hf=<s>
+(sync_s_vllm: shared memory; sync_s_vllm_gloo: the gloo group over loopback, the path a replica on another host takes)
 Tokens differ between samplers (other kernels, other RNG), so tokens/s counts the tokens each sampled.
 """
 
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             vllm.update_weights(policy.named_parameters(), 256, version=0)
             report["vllm_tok_s"] = timed_samples(lambda: counted(vllm.generate(prompts, params, 0)), args.repeats)
             report["vllm_sync_s"] = timed_syncs(vllm, policy, args.repeats)
+        with ReplicaClient(replica.url, replica.key, tokenizer, transport="gloo", run_tag="rlflow") as gloo:
+            report["vllm_gloo_sync_s"] = timed_syncs(gloo, policy, args.repeats)  # loopback: the cross-host path
     finally:
         replica.close()
 
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"RESULT vllm_vs_inprocess_tok_s={medians['vllm_tok_s'] / base:.3g}"
         f" hf_vs_inprocess_tok_s={medians['hf_tok_s'] / base:.3g}"
-        f" sync_s_vllm={medians['vllm_sync_s']:.3g} sync_s_hf={medians['hf_sync_s']:.3g}"
+        f" sync_s_vllm={medians['vllm_sync_s']:.3g} sync_s_vllm_gloo={medians['vllm_gloo_sync_s']:.3g}"
+        f" sync_s_hf={medians['hf_sync_s']:.3g}"
     )
     return 0
 

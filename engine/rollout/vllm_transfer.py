@@ -4,16 +4,22 @@ vLLM 0.32 moves trainer weights into a replica through `WeightTransferEngine`s c
 `--weight-transfer-config '{"backend": ...}'`; its built-in ones (nccl, ipc) need a GPU. These serve
 the CPU, and any replica that shares a host with its trainer:
 
-- `rlflow_shm`: the trainer packs each bucket (engine/rollout/weight_sync.py) into an anonymous
-  memfd it owns; `/init_weight_transfer_engine` names it (`/proc/<pid>/fd/<fd>`, readable only by
-  the trainer's user), and each `/update_weights` carries only the bucket's layout as JSON. The
-  replica maps the memfd once and hands zero-copy views to `model.load_weights`, which maps HF names
-  onto vLLM's fused layers (qkv_proj, gate_up_proj) and converts the dtype. The first
-  REPORT_BYTES of the memfd are the replica's report to the trainer (engine/rollout/staging.py):
-  its weight dtype once initialised, and after each update the fingerprint of what it loaded
-  (per-tensor digests rounded to that dtype), which the trainer compares with its own. vLLM's
-  `weight_checker` cannot serve here: on the CPU its checksums of the repacked linear layers hash
-  empty tensors, so they would not see a skipped update of those layers.
+backend `rlflow` (`--weight-transfer-config {"backend": "rlflow"}`), two transports chosen by the
+trainer at `/init_weight_transfer_engine` (engine/rollout/transfer.py is the trainer's side):
+
+- `shm`, a replica on the trainer's host: the trainer packs each bucket (engine/rollout/weight_sync.py)
+  into an anonymous memfd it owns; the init names it (`/proc/<pid>/fd/<fd>`, readable only by the
+  trainer's user), and each `/update_weights` carries only the bucket's layout as JSON;
+- `gloo`, a replica anywhere: a two-rank torch.distributed gloo group of its own (a TCPStore on the
+  trainer), each bucket broadcast from the trainer while its `/update_weights` call is in flight.
+
+Either way the tensors go to `model.load_weights`, which maps HF names onto vLLM's fused layers
+(qkv_proj, gate_up_proj) and converts the dtype, and the replica reports back (engine/rollout/staging.py
+format): its weight dtype at init, and after each update the count and the fingerprint of what it loaded
+(per-tensor digests rounded to that dtype), which the trainer compares with its own. shm writes the report
+into the memfd's first REPORT_BYTES, gloo broadcasts it from the replica. vLLM's `weight_checker` cannot
+serve here: on the CPU its checksums of the repacked linear layers hash empty tensors, so they would not
+see a skipped update of those layers.
 
 Every update runs vLLM's layerwise-reload lifecycle (as its NCCL engine does): a backend that repacks
 weights after loading (the CPU's linear kernels do) repacks the new ones in `finish_weight_update`.
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,44 +42,73 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlflow.engine.rollout.staging import write_report
+from rlflow.engine.rollout.staging import REPORT_BYTES, write_report
+from rlflow.engine.rollout.transfer import REPLICA, TRAINER, broadcast
 from rlflow.engine.rollout.weight_sync import TensorEntry, fingerprint_from_digests, tensor_digest, unpack_bucket
 
-SHM_BACKEND = "rlflow_shm"
+BACKEND = "rlflow"
+TRANSPORTS = ("shm", "gloo")
 
 
 @dataclass
-class SharedMemoryInitInfo(WeightTransferInitInfo):
-    path: str  # /proc/<trainer pid>/fd/<memfd>
-    nbytes: int  # the staging memory's size
+class RlflowInitInfo(WeightTransferInitInfo):
+    transport: str  # one of TRANSPORTS
+    nbytes: int  # shm: the staging memory's size; gloo: the largest bucket
+    path: str | None = None  # shm: /proc/<trainer pid>/fd/<memfd>
+    host: str | None = None  # gloo: the trainer's TCPStore
+    port: int | None = None
+    timeout_s: float = 600.0  # gloo: longest wait for the trainer's side of a collective
     fingerprint: bool = True  # digest every loaded tensor (rollout.check_fingerprint; ~0.3 s per 538 MB here)
 
 
 @dataclass
-class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
-    offset: int  # where the bucket starts in the staging memory
+class RlflowUpdateInfo(WeightTransferUpdateInfo):
+    offset: int  # shm: where the bucket starts in the staging memory; gloo: 0
     nbytes: int
     tensors: list[dict[str, Any]] = field(default_factory=list)  # TensorEntry.to_json, offsets in the bucket
 
 
-class SharedMemoryTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
-    init_info_cls = SharedMemoryInitInfo
-    update_info_cls = SharedMemoryUpdateInfo
+class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo]):
+    init_info_cls = RlflowInitInfo
+    update_info_cls = RlflowUpdateInfo
     supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.staging: torch.Tensor | None = None
+        self.transport: str | None = None
+        self.buffer: torch.Tensor | None = None  # shm: the mapped memfd; gloo: the receive buffer
+        self.group: Any = None
         self.fingerprinting = True
         self.digests: dict[str, tuple[tuple[int, ...], str]] = {}  # of the tensors loaded since the start
 
-    def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
+    def init_transfer_engine(self, init_info: RlflowInitInfo) -> None:
+        if init_info.transport not in TRANSPORTS:
+            raise ValueError(f"{BACKEND}: unknown transport {init_info.transport!r}; use one of {list(TRANSPORTS)}")
         self.shutdown()
-        with open(init_info.path, "r+b") as f:  # the mapping outlives the descriptor
-            mapped = mmap.mmap(f.fileno(), init_info.nbytes)
-        self.staging = torch.frombuffer(mapped, dtype=torch.uint8)
-        self.fingerprinting = init_info.fingerprint
-        write_report(self.staging, {"dtype": str(self.model_config.dtype).removeprefix("torch.")})
+        self.transport, self.fingerprinting = init_info.transport, init_info.fingerprint
+        if init_info.transport == "shm":
+            with open(init_info.path, "r+b") as f:  # the mapping outlives the descriptor
+                mapped = mmap.mmap(f.fileno(), init_info.nbytes)
+            self.buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+        else:
+            import torch.distributed as dist
+
+            timeout = timedelta(seconds=init_info.timeout_s)
+            store = dist.TCPStore(init_info.host, init_info.port, 2, False, timeout=timeout)
+            self.group = dist.ProcessGroupGloo(store, REPLICA, 2, timeout)
+            self.buffer = torch.empty(init_info.nbytes, dtype=torch.uint8)
+        self._report({"dtype": self._dtype()})
+
+    def _dtype(self) -> str:
+        return str(self.model_config.dtype).removeprefix("torch.")
+
+    def _report(self, report: dict[str, Any]) -> None:
+        if self.transport == "shm":
+            write_report(self.buffer, report)
+            return
+        message = torch.zeros(REPORT_BYTES, dtype=torch.uint8)
+        write_report(message, report)
+        broadcast(self.group, message, REPLICA)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -85,19 +121,21 @@ class SharedMemoryTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, Shar
         # loading here is synchronous on every device this engine serves.
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
-        if self.staging is None:
-            raise RuntimeError(f"{SHM_BACKEND}: /update_weights before /init_weight_transfer_engine")
+    def receive_weights(self, update_info: RlflowUpdateInfo) -> None:
+        if self.buffer is None:
+            raise RuntimeError(f"{BACKEND}: /update_weights before /init_weight_transfer_engine")
         end = update_info.offset + update_info.nbytes
-        if update_info.offset < 0 or end > self.staging.numel():
+        if update_info.offset < 0 or end > self.buffer.numel():
             raise ValueError(
-                f"{SHM_BACKEND}: bucket [{update_info.offset}, {end}) outside the staging memory"
-                f" of {self.staging.numel()} bytes"
+                f"{BACKEND}: bucket [{update_info.offset}, {end}) outside the {self.transport} buffer"
+                f" of {self.buffer.numel()} bytes"
             )
+        buffer = self.buffer[update_info.offset : end]
+        if self.transport == "gloo":
+            broadcast(self.group, buffer, TRAINER)
         entries = [TensorEntry.from_json(t) for t in update_info.tensors]
-        buffer = self.staging[update_info.offset : end]
         # copy=True: the layerwise reload keeps these tensors until their layer is complete, which may
-        # be buckets later, and by then the trainer has packed another bucket into this slot.
+        # be buckets later, and by then the next bucket has overwritten this buffer.
         weights = [(name, view.to(self.device, copy=True)) for name, view in unpack_bucket(entries, buffer)]
         self.model.load_weights(weights=weights)
         for name, tensor in weights:
@@ -109,10 +147,8 @@ class SharedMemoryTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, Shar
 
         finalize_layerwise_reload(self.model, self.model_config)
         self._repack_tied_head()
-        dtype = str(self.model_config.dtype).removeprefix("torch.")
         fingerprint = fingerprint_from_digests(self.digests) if self.fingerprinting else None
-        report = {"dtype": dtype, "tensors": len(self.digests), "fingerprint": fingerprint}
-        write_report(self.staging, report)
+        self._report({"dtype": self._dtype(), "tensors": len(self.digests), "fingerprint": fingerprint})
 
     def _repack_tied_head(self) -> None:
         """vLLM 0.32 on the CPU packs every linear layer's weight for oneDNN after loading, the tied
@@ -126,7 +162,8 @@ class SharedMemoryTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, Shar
         head.quant_method.process_weights_after_loading(head)
 
     def shutdown(self) -> None:
-        self.staging = None  # the mapping closes with its last view
+        self.buffer = None  # a memfd mapping closes with its last view
+        self.group = None
 
 
 def register() -> None:
@@ -134,6 +171,6 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
-        WeightTransferEngineFactory.register_engine(SHM_BACKEND, __name__, "SharedMemoryTransferEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RlflowTransferEngine")
     except ValueError:  # registered already: vLLM loads plugins more than once in one process
         pass

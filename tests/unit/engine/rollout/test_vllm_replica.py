@@ -154,6 +154,32 @@ def test_the_fingerprint_guard_catches_a_skipped_update(client, policy):
     assert trainer_check(client, policy, prompts, client.generate(prompts, params, seed=3), params).fingerprint_match
 
 
+def test_weights_also_travel_over_a_gloo_group_for_a_replica_on_another_host(replica, client, policy):
+    """The gloo transport (a two-rank group with a TCPStore on the trainer, each bucket broadcast while
+    its /update_weights call runs) on the same replica: what a replica on another machine uses."""
+    params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=8)
+    prompts = chat_prompts(client.tokenizer, 2)
+    gloo = ReplicaClient(
+        replica.url, replica.key, client.tokenizer, name="vllm-0", transport="gloo", timeout_s=300,
+        run_tag=client.run_tag,
+    )
+    original = policy.model.norm.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            policy.model.norm.weight.mul_(1.05)
+        stats = gloo.update_weights(policy.named_parameters(), bucket_mb=64, version=20)
+        assert stats.transport == "gloo" and stats.buckets >= 8
+        check = trainer_check(gloo, policy, prompts, gloo.generate(prompts, params, seed=4), params)
+        assert check.fingerprint_match and check.logprob_diff_max < FP32_TOLERANCE
+    finally:
+        with torch.no_grad():
+            policy.model.norm.weight.copy_(original)
+        gloo.close()
+    client.attach(256 << 20)  # the replica's engine serves the trainer that attached last: back to shared memory
+    client.update_weights(policy.named_parameters(), version=21)
+    assert trainer_check(client, policy, prompts, client.generate(prompts, params, seed=4), params).fingerprint_match
+
+
 def update_while_sampling(client, policy, prompts, params, mode: str, version: int):
     """Submit, wait until the engine samples every row, then update the weights (pause `mode`)."""
     request = client.submit(prompts, params, seed=9)

@@ -1,0 +1,157 @@
+"""The trainer's side of rlflow's weight-transfer engine for vLLM (engine/rollout/vllm_transfer.py).
+
+A channel carries buckets (engine/rollout/weight_sync.py) to one replica and reads its report back:
+- `SharedMemoryChannel` (transport shm): a replica on this host maps the trainer's memfd
+  (engine/rollout/staging.py); packing a bucket is the whole transfer.
+- `GlooChannel` (transport gloo): a replica anywhere joins a two-rank gloo group whose TCPStore the
+  trainer hosts; each bucket is broadcast while its /update_weights call is in flight (the replica
+  takes part in the broadcast inside that call), and so is the replica's report.
+vLLM's HTTP routes drive both (`call(path, body)`, the client's); a channel only adds the bytes.
+Every collective has the group's timeout: a replica gone mid-broadcast is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rlflow.engine.rollout.staging import REPORT_BYTES, Staging, read_report
+from rlflow.engine.rollout.weight_sync import Bucket, pack_bucket
+
+Call = Callable[[str, dict[str, Any] | None], dict[str, Any]]  # POST path with a JSON body
+TRAINER, REPLICA = 0, 1  # ranks of the gloo group (as vllm_transfer.py numbers them)
+
+
+def _in_thread(call: Call, path: str, body: dict[str, Any] | None) -> tuple[threading.Thread, list]:
+    """POST while this thread takes part in the collective the replica runs inside that call."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call(path, body)
+        except BaseException as exc:  # re-raised by _join on the trainer's thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, name=f"replica-call{path}", daemon=True)
+    thread.start()
+    return thread, failures
+
+
+def _join(thread: threading.Thread, failures: list, timeout_s: float) -> None:
+    thread.join(timeout_s)
+    if failures:
+        raise failures[0]
+    if thread.is_alive():
+        raise TimeoutError(f"the replica did not answer within {timeout_s:g} s (rollout.response_timeout_s)")
+
+
+def broadcast(group: Any, tensor: torch.Tensor, root: int, failures: list | None = None, timeout_s: float = 600):
+    """A gloo broadcast of `tensor` from rank `root`. On the trainer, `failures` is the HTTP call the
+    replica joins it from: if that call fails, the replica never joins, and waiting on stops at once."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    work = group.broadcast([tensor], options)
+    if failures is None:
+        work.wait()
+        return
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if failures:
+            raise failures[0]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replica took no part in a weight broadcast within {timeout_s:g} s")
+        time.sleep(0.0005)
+    work.wait()
+
+
+class SharedMemoryChannel:
+    transport = "shm"
+
+    def __init__(self, fingerprint: bool = True):
+        self.fingerprint = fingerprint
+        self.staging: Staging | None = None
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.staging.slot_bytes if self.staging is not None else 0
+
+    def attach(self, call: Call, slot_bytes: int) -> dict[str, Any]:
+        self.close()
+        self.staging = Staging(slot_bytes, slots=2, report_bytes=REPORT_BYTES)
+        info = {"transport": "shm", "path": self.staging.path, "nbytes": self.staging.nbytes}
+        call("/init_weight_transfer_engine", {"init_info": info | {"fingerprint": self.fingerprint}})
+        return self.staging.read_report()
+
+    def send(self, call: Call, bucket: Bucket, index: int) -> None:
+        offset = self.staging.slot_offset(index)
+        pack_bucket(bucket, self.staging.buffer[offset : offset + bucket.nbytes])
+        entries = [e.to_json() for e in bucket.entries]
+        call("/update_weights", {"update_info": {"offset": offset, "nbytes": bucket.nbytes, "tensors": entries}})
+
+    def finish(self, call: Call) -> dict[str, Any]:
+        call("/finish_weight_update", None)
+        return self.staging.read_report()
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+
+class GlooChannel:
+    transport = "gloo"
+
+    def __init__(self, host: str, advertise: str | None = None, fingerprint: bool = True, timeout_s: float = 600.0):
+        """host: where this trainer's TCPStore listens; advertise: the address the replica dials (default host)."""
+        self.host, self.advertise, self.fingerprint, self.timeout_s = host, advertise or host, fingerprint, timeout_s
+        self.group: Any = None
+        self.store: Any = None
+        self.buffer: torch.Tensor | None = None
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.buffer.numel() if self.buffer is not None else 0
+
+    def attach(self, call: Call, slot_bytes: int) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        self.close()
+        timeout = timedelta(seconds=self.timeout_s)
+        self.store = dist.TCPStore(self.host, 0, 2, True, timeout=timeout, wait_for_workers=False)
+        info = {"transport": "gloo", "host": self.advertise, "port": self.store.port, "nbytes": slot_bytes}
+        info |= {"timeout_s": self.timeout_s, "fingerprint": self.fingerprint}
+        thread, failures = _in_thread(call, "/init_weight_transfer_engine", {"init_info": info})
+        self.group = dist.ProcessGroupGloo(self.store, TRAINER, 2, timeout)
+        report = self._receive_report(failures)
+        _join(thread, failures, self.timeout_s)
+        self.buffer = torch.empty(slot_bytes, dtype=torch.uint8)
+        return report
+
+    def _receive_report(self, failures: list) -> dict[str, Any]:
+        message = torch.zeros(REPORT_BYTES, dtype=torch.uint8)
+        broadcast(self.group, message, REPLICA, failures, self.timeout_s)
+        return read_report(message)
+
+    def send(self, call: Call, bucket: Bucket, index: int) -> None:
+        data = self.buffer[: bucket.nbytes]
+        pack_bucket(bucket, data)
+        body = {"update_info": {"offset": 0, "nbytes": bucket.nbytes, "tensors": [e.to_json() for e in bucket.entries]}}
+        thread, failures = _in_thread(call, "/update_weights", body)
+        broadcast(self.group, data, TRAINER, failures, self.timeout_s)
+        _join(thread, failures, self.timeout_s)
+
+    def finish(self, call: Call) -> dict[str, Any]:
+        thread, failures = _in_thread(call, "/finish_weight_update", None)
+        report = self._receive_report(failures)
+        _join(thread, failures, self.timeout_s)
+        return report
+
+    def close(self) -> None:
+        self.group = self.store = self.buffer = None
