@@ -22,12 +22,38 @@ def check_backend(config: Any) -> None:
         from rlflow.engine.backend.launch import check_resources
 
         check_resources(config.resources)
-    if config.rollout.mode == "server" and config.rollout.server_backend == "vllm":
+    if config.rollout.endpoints:
+        check_endpoints(config.rollout.endpoints)
+    elif config.rollout.mode == "server" and config.rollout.server_backend == "vllm":
         if not os.path.isfile(config.rollout.vllm_python):
             raise ConfigError(
                 f"rollout.server_backend=vllm runs in its own environment, but rollout.vllm_python="
                 f"{config.rollout.vllm_python!r} does not exist: build it with `make vllm-env` (GPU machines)"
             )
+
+
+def check_endpoints(urls: list[str], timeout_s: float = 10.0) -> None:
+    """An external fleet (rollout.endpoints): the key is in the environment, and every replica answers
+    with it, before anything trains."""
+    import requests
+
+    from rlflow.engine.config.secrets import redact_url
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV, auth_header
+
+    key = os.environ.get(REPLICA_KEY_ENV, "")
+    if not key:
+        raise ConfigError(f"rollout.endpoints needs the replicas' API key: set {REPLICA_KEY_ENV} in the environment")
+    for url in urls:
+        where = f"rollout.endpoints: {redact_url(url)}"
+        try:
+            answer = requests.get(url.rstrip("/") + "/weight_info", headers=auth_header(key), timeout=timeout_s)
+        except requests.RequestException as exc:
+            raise ConfigError(f"{where} is unreachable ({type(exc).__name__}); is the replica up?") from None
+        if answer.status_code == 401:
+            raise ConfigError(f"{where} refused the key in {REPLICA_KEY_ENV} (401)")
+        if answer.status_code != 200:
+            raise ConfigError(f"{where} is no vLLM replica with RL routes: /weight_info answered {answer.status_code}")
 
 
 def check_devices(config: Any) -> None:

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from rlflow.engine.config.base import Section, neutral
 
 TRANSPORT = "how samples and weights travel to the rollout worker, not what is sampled"
+SPREAD = "where rows are sampled, not what: each row has its own seed (vLLM's batching may move last digits)"
 SYNC_GUARD = "a check of every weight sync: it stops a run, never changes what is trained"
 
 
@@ -217,11 +218,45 @@ class RolloutConfig(Section):
     it the run stops."""
     vllm_python: Annotated[str, neutral(TRANSPORT)] = ".venv-vllm/bin/python"
     """Interpreter of the separate vLLM environment."""
+    replicas: Annotated[int, neutral(SPREAD)] = Field(1, ge=1, le=64)
+    """vLLM replicas rlflow starts for the stage (server_backend vllm, no endpoints): each row samples with
+    its own seed on one of them; a replica that dies is dropped and its rows go to the others."""
+    endpoints: Annotated[list[str], neutral(SPREAD)] = Field(default_factory=list)
+    """URLs of vLLM replicas someone else runs (an external fleet): rlflow starts none, checks each is
+    reachable before the stage trains, and sends them weights over gloo (rollout.trainer_address). Their
+    API key comes from the environment variable RLFLOW_REPLICA_API_KEY, never from the config."""
+    trainer_address: Annotated[str, neutral(TRANSPORT)] = "127.0.0.1"
+    """The address external replicas reach the trainer at: its gloo TCPStore, for weights."""
     startup_timeout_s: Annotated[float, neutral("a time limit of the worker's start")] = Field(300.0, gt=0)
     """How long the rollout worker may take to become ready, in seconds."""
     response_timeout_s: Annotated[float, neutral("a time limit of the worker's replies")] = Field(1800.0, gt=0)
     """Longest wait for one reply of the running worker (a batch's samples, a weight bucket), in
     seconds; a worker alive but silent that long is killed and the run stops with an error naming it."""
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> RolloutConfig:
+        if (self.endpoints or self.replicas > 1) and (self.mode, self.server_backend) != ("server", "vllm"):
+            key = "rollout.endpoints" if self.endpoints else f"rollout.replicas={self.replicas}"
+            raise ValueError(
+                f"{key} names vLLM replicas: it needs rollout.mode=server and rollout.server_backend=vllm"
+                f" (got {self.mode}, {self.server_backend})"
+            )
+        if self.endpoints and self.replicas > 1:
+            raise ValueError(
+                f"rollout.endpoints ({len(self.endpoints)}) is a fleet someone else runs and rollout.replicas="
+                f"{self.replicas} one rlflow starts: keep one"
+            )
+        from rlflow.engine.config.secrets import redact_url
+
+        for url in self.endpoints:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.endpoints: {redact_url(url)!r} is not an http(s) URL (e.g. http://10.0.0.7:8000)")
+            if redact_url(url) != url:
+                raise ValueError(
+                    f"rollout.endpoints: {redact_url(url)!r} carries credentials; the config is logged: put the"
+                    " replicas' key in the environment variable RLFLOW_REPLICA_API_KEY instead"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_async(self) -> RolloutConfig:

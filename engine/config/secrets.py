@@ -117,3 +117,14 @@ def shown_url(url: str) -> str:
         return url  # as given: urlunsplit would turn sqlite:////abs/path into sqlite://abs/path
     host = parts.netloc.rsplit("@", 1)[-1]
     return urlunsplit(parts._replace(netloc=("***@" if "@" in parts.netloc else "") + host, query=""))
+
+
+def redact_url(url: str) -> str:
+    """The URL without credentials (user:password@), for every message that prints it."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    netloc = f"***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

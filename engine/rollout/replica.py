@@ -29,17 +29,17 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import requests
 import torch
 
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.config.secrets import redact_url
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.replica_auth import auth_header
 from rlflow.engine.rollout.transfer import GlooChannel, SharedMemoryChannel
-from rlflow.engine.rollout.weight_sync import DTYPES, iter_buckets
+from rlflow.engine.rollout.weight_sync import DTYPES, Bucket, iter_buckets
 
 MB = 1 << 20
 TRANSFER_BACKEND = "rlflow"  # engine/rollout/vllm_transfer.py registers it under this name
@@ -60,16 +60,6 @@ class SyncStats:
     buckets: int
     tensors: int
     transport: str
-
-
-def redact_url(url: str) -> str:
-    """The URL without credentials (user:password@), for every message that prints it."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -258,6 +248,8 @@ class ReplicaClient:
 
     # --- weights ---------------------------------------------------------------------------------
 
+    _sent = 0  # tensors sent since begin_update
+
     def _post(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         return self._call("POST", path, body)
 
@@ -291,28 +283,41 @@ class ReplicaClient:
     ) -> SyncStats:
         """Pause (`pause_mode`, default this client's), start / update per bucket / finish through the
         transfer engine, record the version, resume."""
-        started = time.monotonic()
-        bucket_bytes = max(1, int(bucket_mb * MB))
-        buckets = tensors = sent = 0
+        return push_weights([self], named_tensors, bucket_mb, version, pause_mode)
+
+    def begin_update(self, pause_mode: str | None = None) -> None:
         self.pause(pause_mode or self.pause_mode)
         try:
             self._call("POST", "/start_weight_update")
-            for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
-                if bucket.nbytes > self.channel.slot_bytes:
-                    self.attach(max(bucket_bytes, bucket.nbytes))
-                self.channel.send(self._post, bucket, index)
-                buckets, tensors = buckets + 1, tensors + len(bucket.entries)
-                sent += sum(e.nbytes for e in bucket.entries)
+        except BaseException:
+            self.resume()
+            raise
+        self._sent = 0
+
+    def send_bucket(self, bucket: Bucket, index: int, bucket_bytes: int) -> None:
+        if bucket.nbytes > self.channel.slot_bytes:
+            self.attach(max(bucket_bytes, bucket.nbytes))
+        self.channel.send(self._post, bucket, index)
+        self._sent += len(bucket.entries)
+
+    def end_update(self, version: int | None) -> None:
+        """Finish, record the version, resume; the replica must have loaded every tensor sent."""
+        try:
             self._report = self.channel.finish(self._post)
             if version is not None:
                 self._call("POST", "/update_weight_version", {"new_version": version_label(self.run_tag, version)})
                 self.version = version
         finally:
             self.resume()
-        if self._report.get("tensors") != tensors:
-            self._fail(f"loaded {self._report.get('tensors')} tensors of the {tensors} sent")
-        seconds = time.monotonic() - started
-        return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, self.channel.transport)
+        if self._report.get("tensors") != self._sent:
+            self._fail(f"loaded {self._report.get('tensors')} tensors of the {self._sent} sent")
+
+    def abort_update(self) -> None:
+        """After a failed send: resume sampling (the replica keeps whatever it had loaded; the guard sees it)."""
+        try:
+            self.resume()
+        except ReplicaError:
+            pass
 
     def fingerprint(self, meanwhile: Callable[[], None] | None = None) -> str:
         """The fingerprint of the weights the replica loaded in its last update (computed while it loaded)."""
@@ -335,3 +340,36 @@ class ReplicaClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def push_weights(
+    clients: Sequence[ReplicaClient],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_mb: float,
+    version: int | None,
+    pause_mode: str | None = None,
+) -> SyncStats:
+    """One weight update of several replicas: the tensors are iterated once (under ZeRO-3 each is a
+    gather) and each bucket goes to every replica in turn; then each finishes and resumes."""
+    started = time.monotonic()
+    bucket_bytes = max(1, int(bucket_mb * MB))
+    buckets = tensors = sent = 0
+    begun: list[ReplicaClient] = []
+    try:
+        for client in clients:
+            client.begin_update(pause_mode)
+            begun.append(client)
+        for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
+            for client in clients:
+                client.send_bucket(bucket, index, bucket_bytes)
+            buckets, tensors = buckets + 1, tensors + len(bucket.entries)
+            sent += sum(e.nbytes for e in bucket.entries)
+    except BaseException:
+        for client in begun:
+            client.abort_update()
+        raise
+    for client in clients:
+        client.end_update(version)
+    seconds = time.monotonic() - started
+    transport = "+".join(sorted({c.channel.transport for c in clients}))
+    return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, transport)

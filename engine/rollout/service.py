@@ -69,9 +69,9 @@ class RolloutService:
         A collective under ZeRO-3."""
         client = None
         if dist.is_main() and cfg.server_backend == "vllm":
-            from rlflow.engine.rollout.vllm_replica import start_vllm_client
+            from rlflow.engine.rollout.vllm_replica import start_vllm_sampler
 
-            client = start_vllm_client(cfg, model_dir, tokenizer, log_path, cuda_visible_devices)
+            client = start_vllm_sampler(cfg, model_dir, tokenizer, log_path, cuda_visible_devices)
         elif dist.is_main():
             from rlflow.engine.rollout.server import RolloutClient
 

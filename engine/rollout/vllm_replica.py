@@ -192,39 +192,51 @@ def replica_cores(threads: int | None) -> str | None:
     return ",".join(map(str, cores))
 
 
-def start_vllm_client(cfg, model_dir: str, tokenizer, log_path: str | None, cuda_visible_devices: str | None):
-    """rollout.server_backend=vllm: a replica started for this stage, and its client (closing the
-    client stops the replica). A LoRA policy starts the replica from its base model: the stage's
-    first sync sends the merged weights before anything is sampled. With rollout.partial_rollouts a
-    weight update freezes the generations in flight (pause mode keep) and they go on under the new
-    weights, each token tagged with its version; otherwise they finish under the old ones (wait)."""
+def start_vllm_sampler(cfg, model_dir: str, tokenizer, log_path: str | None, cuda_visible_devices: str | None):
+    """rollout.server_backend=vllm: the stage's sampler, a ReplicaFleet (engine/rollout/fleet.py) of
+    the rollout.endpoints someone else runs (weights over gloo to rollout.trainer_address), or of
+    rollout.replicas servers started here (weights through shared memory; closing the fleet stops
+    them). A LoRA policy's replicas start from its base: the stage's first sync sends the merged
+    weights before anything is sampled. With rollout.partial_rollouts a weight update freezes the
+    generations in flight (pause mode keep) and they go on under the new weights, each token tagged
+    with its version; otherwise they finish under the old ones (wait)."""
     import secrets as _secrets
 
     import torch
 
     from rlflow.engine.models.lora import is_lora_dir, lora_base_dir
+    from rlflow.engine.rollout.fleet import ReplicaFleet
     from rlflow.engine.rollout.replica import ReplicaClient
+    from rlflow.engine.rollout.replica_auth import replica_key
 
-    options = VLLMOptions(cores=replica_cores(cfg.threads), eager=not torch.cuda.is_available())
-    replica = VLLMReplica.start(
-        lora_base_dir(model_dir) if is_lora_dir(model_dir) else model_dir,
-        python=cfg.vllm_python,
-        options=options,
-        log_path=log_path,
-        startup_timeout_s=cfg.startup_timeout_s,
-        cuda_visible_devices=cuda_visible_devices,
-    )
     run_tag = f"rlflow-{_secrets.token_hex(4)}"  # versions of another start are not this one's
-    client = ReplicaClient(
-        replica.url,
-        replica.key,
-        tokenizer,
-        name="vllm-0",
-        run_tag=run_tag,
-        timeout_s=cfg.response_timeout_s,
-        on_failure=replica.failure,
-        on_close=replica.close,
-        pause_mode="keep" if cfg.partial_rollouts else "wait",
-        check_fingerprint=cfg.check_fingerprint,
+    common = dict(
+        tokenizer=tokenizer, run_tag=run_tag, timeout_s=cfg.response_timeout_s,
+        pause_mode="keep" if cfg.partial_rollouts else "wait", check_fingerprint=cfg.check_fingerprint,
     )
-    return client
+    if cfg.endpoints:
+        key = replica_key()
+        clients = [
+            ReplicaClient(url, key, name=f"endpoint-{i}", transport="gloo", gloo_host=cfg.trainer_address, **common)
+            for i, url in enumerate(cfg.endpoints)
+        ]
+        return ReplicaFleet(clients)
+    options = VLLMOptions(cores=replica_cores(cfg.threads), eager=not torch.cuda.is_available())
+    weights = lora_base_dir(model_dir) if is_lora_dir(model_dir) else model_dir
+    clients: list = []
+    try:
+        for i in range(cfg.replicas):
+            replica = VLLMReplica.start(
+                weights, python=cfg.vllm_python, options=options, startup_timeout_s=cfg.startup_timeout_s,
+                log_path=log_path if i == 0 else (f"{log_path}.{i}" if log_path else None),
+                cuda_visible_devices=cuda_visible_devices,
+            )
+            client = ReplicaClient(
+                replica.url, replica.key, name=f"vllm-{i}", on_failure=replica.failure, on_close=replica.close, **common
+            )
+            clients.append(client)
+    except BaseException:
+        for client in clients:
+            client.close()
+        raise
+    return ReplicaFleet(clients)

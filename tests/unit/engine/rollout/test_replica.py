@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from rlflow.engine.rollout.replica import ReplicaClient, ReplicaError, redact_url, row_seed, version_label
+from rlflow.engine.config.secrets import redact_url
+from rlflow.engine.rollout.replica import ReplicaClient, ReplicaError, row_seed, version_label
 
 
 class Tokenizer:

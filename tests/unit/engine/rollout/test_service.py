@@ -67,6 +67,28 @@ def test_vllm_rollouts_train_with_the_guard_green_every_step(trained, small_asse
     assert len(served.series("actor/pg_loss")) == STEPS
 
 
+def test_an_external_vllm_fleet_gets_its_weights_over_gloo(trained, small_assets, tmp_path, monkeypatch):
+    """rollout.endpoints: a replica someone else started (rlflow starts nothing), its key from the
+    environment; the PPO loop's weights reach it through the gloo group, the guard green every step."""
+    import pathlib
+
+    from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV
+    from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica
+
+    python = pathlib.Path(__file__).resolve().parents[4] / ".venv-vllm" / "bin" / "python"
+    replica = VLLMReplica.start(trained[0], python=str(python), options=VLLMOptions(cores="1"))
+    try:
+        monkeypatch.setenv(REPLICA_KEY_ENV, replica.key)
+        served = train(
+            trained, small_assets, tmp_path, "external", "server", server_backend="vllm", endpoints=[replica.url]
+        )
+        diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
+        assert len(diffs) == STEPS and max(diffs) < 1e-3
+        assert replica.proc.poll() is None  # rlflow leaves an external replica running
+    finally:
+        replica.close()
+
+
 def test_vllm_rollouts_of_a_lora_actor_get_its_merged_weights(trained, small_assets, tmp_path):
     """LoRA with vLLM: the replica holds plain weights, and each sync sends the adapters merged in
     under the plain names (what the fingerprint and the probe check)."""

@@ -53,6 +53,8 @@ UNCHANGEABLE = {
     "env": "the bases without an env refuse one (online labels of a learned reward; DPO): its keys are checked"
     " in the env base",
     "rollout.partial_rollouts": "only with rollout.async, which the first base leaves off",
+    "rollout.replicas": "only with rollout.mode=server and server_backend=vllm, which no base sets",
+    "rollout.endpoints": "only with rollout.mode=server and server_backend=vllm, which no base sets",
 }
 
 

@@ -1,0 +1,137 @@
+"""Several rollout replicas as one sampler: rows spread over the live ones, weights to all of them.
+
+    fleet = ReplicaFleet([ReplicaClient(url, key, tokenizer, name=f"vllm-{i}") for i, url in enumerate(urls)])
+    generation = fleet.generate(prompts, params, seed)      # row i still samples with row_seed(seed, i)
+    fleet.update_weights(policy.named_parameters(), 256, version=3)
+
+A replica that stops answering (its /health fails after a request failed) is dropped, with a warning
+naming it, and its rows go to the others; a replica that answers but refuses (a malformed answer, a
+version of another run) is an error, not a reason to drop it. With none left, the step fails naming
+every replica; the stage's retry starts again from its last checkpoint. Each row's seed is its own,
+so which replica samples a row does not change its tokens beyond what vLLM's batching moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.models.tokens import stop_token_ids
+from rlflow.engine.rollout.replica import (
+    MAX_PARALLEL_ROWS,
+    ReplicaClient,
+    ReplicaError,
+    SyncStats,
+    push_weights,
+    row_seed,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaFleet:
+    def __init__(self, clients: Sequence[ReplicaClient]):
+        if not clients:
+            raise ValueError("a fleet needs at least one replica")
+        self.clients = list(clients)
+        self.dead: set[str] = set()
+        self._pool = ThreadPoolExecutor(MAX_PARALLEL_ROWS * len(self.clients), thread_name_prefix="fleet")
+        self._pending: dict[int, list[Future]] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self.concurrent = False
+        self.worker_idle_s = 0.0
+
+    @property
+    def live(self) -> list[ReplicaClient]:
+        return [c for c in self.clients if c.name not in self.dead]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.clients[0].dtype
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.clients[0].tokenizer
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> Any:
+        return self.collect(self.submit(prompts, params, seed))
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, **_: Any) -> int:
+        stops = [int(t) for t in stop_token_ids(self.tokenizer)]
+        futures = [
+            self._pool.submit(self._row, i, [int(t) for t in prompt], params, row_seed(seed, i), stops)
+            for i, prompt in enumerate(prompts)
+        ]
+        with self._lock:
+            request_id, self._next_id = self._next_id, self._next_id + 1
+            self._pending[request_id] = futures
+        return request_id
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def collect(self, request_id: int | None = None) -> Any:
+        from rlflow.engine.rollout.worker_samples import Generation
+
+        with self._lock:
+            if not self._pending:
+                raise ReplicaError("rollout fleet: collect() with no request outstanding")
+            futures = self._pending.pop(min(self._pending) if request_id is None else request_id)
+        rows = [f.result() for f in futures]
+        return Generation([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+    def _row(self, index: int, prompt: list[int], params: SamplingParams, seed: int, stops: list[int]) -> Any:
+        failures: list[str] = []
+        while True:
+            live = self.live
+            if not live:
+                raise ReplicaError(f"rollout fleet: no replica left ({'; '.join(failures) or 'all dropped'})")
+            client = live[index % len(live)]
+            try:
+                return client._generate_row(prompt, params, seed, stops, False)
+            except ReplicaError as exc:
+                if client.health():
+                    raise  # it answers: a refusal or a malformed answer, not a dead replica
+                self._drop(client, str(exc))
+                failures.append(client.name)
+
+    def _drop(self, client: ReplicaClient, why: str) -> None:
+        with self._lock:
+            if client.name in self.dead:
+                return
+            self.dead.add(client.name)
+        log.warning("rollout replica %s dropped from the fleet, its rows go to the others: %s", client.name, why)
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256, *, version: int | None = None,
+        **_: Any,
+    ) -> SyncStats:
+        """Every live replica gets the weights (a replica that dies during the update fails it: the
+        stage stops, naming it; its rows were already served by the others)."""
+        return push_weights(self.live, named_tensors, bucket_mb, version)
+
+    def fingerprint(self, meanwhile: Callable[[], None] | None = None) -> str:
+        """The replicas' common fingerprint; if they differ, all of them (the guard then fails naming them)."""
+        if meanwhile is not None:
+            meanwhile()
+        prints = {c.name: c.fingerprint() for c in self.live}
+        if len(set(prints.values())) == 1:
+            return next(iter(prints.values()))
+        return " / ".join(f"{name}={fp}" for name, fp in prints.items())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in self.clients:
+            client.close()
