@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,9 +26,9 @@ from rlflow.engine.rollout.replica import (
     MAX_PARALLEL_ROWS,
     ReplicaClient,
     ReplicaError,
+    RowRequests,
     SyncStats,
     push_weights,
-    row_seed,
 )
 
 log = logging.getLogger(__name__)
@@ -41,9 +40,7 @@ class ReplicaFleet:
             raise ValueError("a fleet needs at least one replica")
         self.clients = list(clients)
         self.dead: set[str] = set()
-        self._pool = ThreadPoolExecutor(MAX_PARALLEL_ROWS * len(self.clients), thread_name_prefix="fleet")
-        self._pending: dict[int, list[Future]] = {}
-        self._next_id = 0
+        self._rows = RowRequests(MAX_PARALLEL_ROWS * len(self.clients), "rollout fleet")
         self._lock = threading.Lock()
         self.concurrent = False
         self.worker_idle_s = 0.0
@@ -67,28 +64,14 @@ class ReplicaFleet:
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, **_: Any) -> int:
         stops = [int(t) for t in stop_token_ids(self.tokenizer)]
-        futures = [
-            self._pool.submit(self._row, i, [int(t) for t in prompt], params, row_seed(seed, i), stops)
-            for i, prompt in enumerate(prompts)
-        ]
-        with self._lock:
-            request_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[request_id] = futures
-        return request_id
+        return self._rows.submit(self._row, prompts, params, seed, stops)
 
     @property
     def outstanding(self) -> int:
-        return len(self._pending)
+        return len(self._rows.pending)
 
     def collect(self, request_id: int | None = None) -> Any:
-        from rlflow.engine.rollout.worker_samples import Generation
-
-        with self._lock:
-            if not self._pending:
-                raise ReplicaError("rollout fleet: collect() with no request outstanding")
-            futures = self._pending.pop(min(self._pending) if request_id is None else request_id)
-        rows = [f.result() for f in futures]
-        return Generation([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        return self._rows.collect(request_id)
 
     def _row(self, index: int, prompt: list[int], params: SamplingParams, seed: int, stops: list[int]) -> Any:
         failures: list[str] = []
@@ -98,7 +81,7 @@ class ReplicaFleet:
                 raise ReplicaError(f"rollout fleet: no replica left ({'; '.join(failures) or 'all dropped'})")
             client = live[index % len(live)]
             try:
-                return client._generate_row(prompt, params, seed, stops, False)
+                return client._generate_row(index, prompt, params, seed, stops)
             except ReplicaError as exc:
                 if client.health():
                     raise  # it answers: a refusal or a malformed answer, not a dead replica
@@ -132,6 +115,6 @@ class ReplicaFleet:
         return " / ".join(f"{name}={fp}" for name, fp in prints.items())
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._rows.close()
         for client in self.clients:
             client.close()

@@ -72,6 +72,41 @@ def version_label(run_tag: str, version: int) -> str:
     return f"{run_tag}:{version}"
 
 
+class RowRequests:
+    """Generations sent row by row on a thread pool and collected whole: a sampler's submit/collect.
+    `row(index, prompt, params, seed, stops)` samples one row and returns (ids, log-probs, versions)."""
+
+    def __init__(self, workers: int, name: str):
+        self.name = name
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix=f"rows-{name}")
+        self.pending: dict[int, list[Future]] = {}
+        self.next_id = 0
+        self.lock = threading.Lock()
+
+    def submit(self, row: Callable[..., Any], prompts: Sequence[Sequence[int]], params: Any, seed: int, stops) -> int:
+        futures = [
+            self.pool.submit(row, i, [int(t) for t in prompt], params, row_seed(seed, i), stops)
+            for i, prompt in enumerate(prompts)
+        ]
+        with self.lock:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+            self.pending[request_id] = futures
+        return request_id
+
+    def collect(self, request_id: int | None = None) -> Any:
+        from rlflow.engine.rollout.worker_samples import Generation
+
+        with self.lock:
+            if not self.pending:
+                raise ReplicaError(f"{self.name}: collect() with no request outstanding")
+            futures = self.pending.pop(min(self.pending) if request_id is None else request_id)
+        rows = [f.result() for f in futures]
+        return Generation([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 class ReplicaClient:
     """One replica. Generations may be submitted while others run (`submit`/`collect`); weight
     updates pause the replica first (`pause_mode`: wait lets generations in flight finish with the
@@ -100,10 +135,7 @@ class ReplicaClient:
         adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=MAX_PARALLEL_ROWS + 4)
         self._session.mount("http://", adapter)  # a connection per row in flight, and the control calls
         self._session.mount("https://", adapter)
-        self._pool = ThreadPoolExecutor(MAX_PARALLEL_ROWS, thread_name_prefix=f"replica-{self.name}")
-        self._pending: dict[int, list[Future]] = {}
-        self._next_id = 0
-        self._lock = threading.Lock()
+        self._rows = RowRequests(MAX_PARALLEL_ROWS, f"rollout replica {self.name}")
         if transport not in ("shm", "gloo"):
             raise ValueError(f"unknown weight transport {transport!r}; use 'shm' (this host) or 'gloo'")
         self.channel = (
@@ -169,37 +201,20 @@ class ReplicaClient:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> Any:
         return self.collect(self.submit(prompts, params, seed))
 
-    def submit(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, *, priority: bool = False, **_: Any
-    ) -> int:
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, **_: Any) -> int:
         """Send one request per row and return at once; `collect` waits for them."""
         stops = [int(t) for t in stop_token_ids(self.tokenizer)]
-        futures = [
-            self._pool.submit(self._generate_row, [int(t) for t in prompt], params, row_seed(seed, i), stops, priority)
-            for i, prompt in enumerate(prompts)
-        ]
-        with self._lock:
-            request_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[request_id] = futures
-        return request_id
+        return self._rows.submit(self._generate_row, prompts, params, seed, stops)
 
     @property
     def outstanding(self) -> int:
-        return len(self._pending)
+        return len(self._rows.pending)
 
     def collect(self, request_id: int | None = None) -> Any:
-        from rlflow.engine.rollout.worker_samples import Generation
-
-        with self._lock:
-            if not self._pending:
-                raise ReplicaError(f"rollout replica {self.name}: collect() with no request outstanding")
-            request_id = min(self._pending) if request_id is None else request_id
-            futures = self._pending.pop(request_id)
-        rows = [f.result() for f in futures]
-        return Generation([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        return self._rows.collect(request_id)
 
     def _generate_row(
-        self, prompt: list[int], params: SamplingParams, seed: int, stops: list[int], priority: bool
+        self, index: int, prompt: list[int], params: SamplingParams, seed: int, stops: list[int]
     ) -> tuple[list[int], list[float], list[int]]:
         sampling = {
             "temperature": params.temperature,
@@ -328,7 +343,7 @@ class ReplicaClient:
         return str(self._report["fingerprint"])
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._rows.close()
         self._session.close()
         self.channel.close()
         if self.on_close is not None:

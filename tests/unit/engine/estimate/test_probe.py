@@ -28,3 +28,16 @@ def test_report_times_all_but_the_warm_up_step():
     assert report.peak_rss_above_baseline == 250
     single = ProbeReport(steps[:1], 1.0, 0, 0, None, 7)
     assert single.step_seconds()["mean"] == 9.0  # one step: it is all there is
+
+
+def test_the_peak_is_this_processs_own_not_its_parents():
+    """ru_maxrss survives execve: a probe started by a big process would report the parent's size."""
+    import subprocess
+    import sys
+
+    held = bytearray(1 << 30)
+    held[:: 4096] = b"\1" * len(held[:: 4096])  # 1 GiB resident in this (the parent) process
+    code = "from rlflow.engine.estimate.probe import peak_resident_bytes as p; print(p())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 10 << 20 < child < 512 << 20  # the child's own imports, not the parent's gigabyte
+    del held

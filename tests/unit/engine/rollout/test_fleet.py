@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-import pathlib
 import signal
 
 import pytest
 import requests
 import torch
 
+from helpers.vllm_env import vllm_python
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.errors import ConfigError
 from rlflow.engine.models.loading import load_tokenizer
@@ -23,8 +23,6 @@ from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica
 from rlflow.engine.rollout.weight_sync import weights_fingerprint
 from rlflow.flows.preflight import check_endpoints
 
-REPO = pathlib.Path(__file__).resolve().parents[4]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8)
 
 
@@ -35,14 +33,12 @@ def model_dir(small_assets):
 
 @pytest.fixture(scope="module")
 def replicas(model_dir, tmp_path_factory):
-    if not os.access(VLLM_PYTHON, os.X_OK):
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-env` (make test does it)")
-    logs = tmp_path_factory.mktemp("fleet")
+    python, logs = vllm_python(), tmp_path_factory.mktemp("fleet")
     started = []
     try:
         for i in range(2):
             options, log = VLLMOptions(cores="1", max_model_len=256), str(logs / f"{i}.log")
-            started.append(VLLMReplica.start(model_dir, python=str(VLLM_PYTHON), options=options, log_path=log))
+            started.append(VLLMReplica.start(model_dir, python=python, options=options, log_path=log))
         yield started
     finally:
         for replica in started:

@@ -70,13 +70,11 @@ def test_vllm_rollouts_train_with_the_guard_green_every_step(trained, small_asse
 def test_an_external_vllm_fleet_gets_its_weights_over_gloo(trained, small_assets, tmp_path, monkeypatch):
     """rollout.endpoints: a replica someone else started (rlflow starts nothing), its key from the
     environment; the PPO loop's weights reach it through the gloo group, the guard green every step."""
-    import pathlib
-
+    from helpers.vllm_env import vllm_python
     from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV
     from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica
 
-    python = pathlib.Path(__file__).resolve().parents[4] / ".venv-vllm" / "bin" / "python"
-    replica = VLLMReplica.start(trained[0], python=str(python), options=VLLMOptions(cores="1"))
+    replica = VLLMReplica.start(trained[0], python=vllm_python(), options=VLLMOptions(cores="1"))
     try:
         monkeypatch.setenv(REPLICA_KEY_ENV, replica.key)
         served = train(

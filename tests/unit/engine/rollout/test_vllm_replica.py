@@ -8,7 +8,6 @@ The last test SIGKILLs it. No test here skips: without .venv-vllm the module fai
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
 import threading
 import time
@@ -17,6 +16,7 @@ import pytest
 import requests
 import torch
 
+from helpers.vllm_env import vllm_python
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.rollout.generate import batched_logprobs
@@ -25,8 +25,6 @@ from rlflow.engine.rollout.served import build_rollout_batch
 from rlflow.engine.rollout.vllm_replica import ReplicaStartError, VLLMOptions, VLLMReplica
 from rlflow.engine.rollout.weight_sync import WeightSyncError, check_weight_sync, weights_fingerprint
 
-REPO = pathlib.Path(__file__).resolve().parents[4]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # fp32 replica against the fp32 trainer, both on this CPU: measured max |diff| ~1e-5 nats per token at
 # T=0.7 (different kernels); raw log-probs (logprobs_mode raw_logprobs) would differ by > 0.1 nats.
 FP32_TOLERANCE = 2e-3
@@ -34,11 +32,9 @@ FP32_TOLERANCE = 2e-3
 
 @pytest.fixture(scope="module")
 def replica(smollm2_dir, tmp_path_factory):
-    if not os.access(VLLM_PYTHON, os.X_OK):
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-env` (make test does it)")
     log = tmp_path_factory.mktemp("vllm") / "replica.log"
     replica = VLLMReplica.start(
-        smollm2_dir, python=str(VLLM_PYTHON), options=VLLMOptions(cores="1", max_model_len=512), log_path=str(log)
+        smollm2_dir, python=vllm_python(), options=VLLMOptions(cores="1", max_model_len=512), log_path=str(log)
     )
     yield replica
     replica.close()
@@ -247,7 +243,7 @@ def test_a_missing_vllm_environment_names_the_fix(tmp_path):
 def test_a_replica_that_dies_while_starting_quotes_its_log(tmp_path):
     """An empty model directory: vLLM exits, and the error says so within the bound, quoting its log."""
     with pytest.raises(ReplicaStartError, match=r"exited with code \d+ while starting.*its log .* ends: "):
-        VLLMReplica.start(str(tmp_path), python=str(VLLM_PYTHON), startup_timeout_s=240, log_path=str(tmp_path / "l"))
+        VLLMReplica.start(str(tmp_path), python=vllm_python(), startup_timeout_s=240, log_path=str(tmp_path / "l"))
 
 
 def test_a_killed_replica_is_an_error_naming_it_not_a_hang(client, replica):
