@@ -148,7 +148,6 @@ class ReplicaClient:
         self.on_close = on_close  # stops a replica this client owns
         self.pause_mode = pause_mode  # how an update treats generations in flight: wait, or keep (partial rollouts)
         self.dtype = torch.float32  # the replica's weight dtype, from its transfer engine's report
-        self.version: int | None = None  # the policy version the replica holds, as this client set it
         self.concurrent = False  # kept for the RolloutClient interface: HTTP requests never block each other
         self.worker_idle_s = 0.0
 
@@ -181,10 +180,6 @@ class ReplicaClient:
             return self._session.get(self.url + "/health", timeout=min(self.timeout_s, 5.0)).status_code == 200
         except requests.RequestException:
             return False
-
-    def load(self) -> int:
-        """Generations the replica's HTTP server holds (GET /load), admitted to its engine or not."""
-        return int(self._call("GET", "/load").get("server_load", 0))
 
     def running(self) -> int:
         """Generations its engine is sampling now (the vllm:num_requests_running gauge of GET /metrics)."""
@@ -321,7 +316,6 @@ class ReplicaClient:
             self._report = self.channel.finish(self._post)
             if version is not None:
                 self._call("POST", "/update_weight_version", {"new_version": version_label(self.run_tag, version)})
-                self.version = version
         finally:
             self.resume()
         if self._report.get("tensors") != self._sent:

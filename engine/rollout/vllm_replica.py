@@ -109,7 +109,6 @@ class VLLMReplica:
         command += ["--generation-config", "vllm", "--skip-tokenizer-init", "--tokens-only"]
         command += ["--weight-transfer-config", json.dumps({"backend": "rlflow"})]
         command += ["--middleware", "rlflow.engine.rollout.replica_auth.RequireKey", "--disable-uvicorn-access-log"]
-        command += ["--enable-server-load-tracking"]  # GET /load: generations in flight
         command += ["--enforce-eager"] if options.eager else []
         command += list(options.extra_args)
         env = {k: v for k, v in os.environ.items() if k not in ("RLFLOW_SECRETS", "VLLM_API_KEY")}
