@@ -105,6 +105,7 @@ bench: install vllm-env $(TRL_STAMP)
 	$(PY) bench/ppo_vs_trl.py $(ARGS)
 	$(PY) bench/off_policy_bench.py $(ARGS)
 	$(PY) bench/vllm_bench.py
+	$(PY) bench/sampler_mismatch.py
 
 $(TRL_STAMP):
 	rm -rf .bench/trl

@@ -8,8 +8,9 @@ chat prompts, `--repeats` times after a warm-up; then each takes `--repeats` wei
 model (256 MB buckets, fingerprint included). Samplers in turn, never two at once. Prints tokens/s and
 seconds per sync (medians), writes bench/results/vllm-<UTC time>.json, and last
     RESULT vllm_vs_inprocess_tok_s=<ratio> hf_vs_inprocess_tok_s=<ratio> sync_s_vllm=<s> sync_s_vllm_gloo=<s>
-           sync_s_hf=<s>
-(sync_s_vllm: shared memory; sync_s_vllm_gloo: the gloo group over loopback, the path a replica on another host takes)
+           sync_s_vllm_fsspec=<s> sync_s_hf=<s>
+(sync_s_vllm: shared memory; sync_s_vllm_gloo: the gloo group over loopback, the path a replica on another host
+takes; sync_s_vllm_fsspec: safetensors files on this machine's disk, the path of a replica sharing only storage)
 Tokens differ between samplers (other kernels, other RNG), so tokens/s counts the tokens each sampled.
 """
 
@@ -21,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             report["vllm_sync_s"] = timed_syncs(vllm, policy, args.repeats)
         with ReplicaClient(replica.url, replica.key, tokenizer, transport="gloo", run_tag="rlflow") as gloo:
             report["vllm_gloo_sync_s"] = timed_syncs(gloo, policy, args.repeats)  # loopback: the cross-host path
+        with tempfile.TemporaryDirectory(prefix="rlflow-weights-") as folder:  # this disk, as a shared one
+            url = f"file://{folder}"
+            with ReplicaClient(replica.url, replica.key, tokenizer, transport="fsspec", weights_url=url) as files:
+                report["vllm_fsspec_sync_s"] = timed_syncs(files, policy, args.repeats)
     finally:
         replica.close()
 
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         f"RESULT vllm_vs_inprocess_tok_s={medians['vllm_tok_s'] / base:.3g}"
         f" hf_vs_inprocess_tok_s={medians['hf_tok_s'] / base:.3g}"
         f" sync_s_vllm={medians['vllm_sync_s']:.3g} sync_s_vllm_gloo={medians['vllm_gloo_sync_s']:.3g}"
+        f" sync_s_vllm_fsspec={medians['vllm_fsspec_sync_s']:.3g}"
         f" sync_s_hf={medians['hf_sync_s']:.3g}"
     )
     return 0

@@ -33,6 +33,8 @@ EVENTS = {
     "batch_received": "PPO: the step's batch sampled and scored, no update yet",
     "weight_sync": "PPO, rollout.mode server: the first tensor of the actor's weights sent to the worker",
     "generate": "the rollout worker (stage 'rollout', n: its n-th generate request), before sampling",
+    "replica_kill": "vLLM replicas (stage 'rollout', n: the fleet's n-th generate call): the replicas rlflow"
+    " started are SIGKILLed, then the rows are sent",
     "nonfinite": "the step's loss becomes NaN",
     "alias": "promotion (step: the round): the version's promotion tags set, the champion alias not moved",
 }

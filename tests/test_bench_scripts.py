@@ -38,6 +38,7 @@ PARSE = {
     "ppo_vs_trl.py": "the orchestrator: TRL (.bench/trl) and SmolLM2; its rlflow workers run above",
     "promotion_noise.py": "a finished run of the demo",
     "vllm_bench.py": "SmolLM2 through three samplers, a vLLM replica among them (minutes)",
+    "sampler_mismatch.py": "SmolLM2 through an HF worker and a vLLM replica, each in fp32 and bf16 (minutes)",
 }
 # Imported only: no command line of their own.
 IMPORT = {

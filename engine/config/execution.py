@@ -14,6 +14,19 @@ TRANSPORT = "how samples and weights travel to the rollout worker, not what is s
 SPREAD = "where rows are sampled, not what: each row has its own seed (vLLM's batching may move last digits)"
 SYNC_GUARD = "a check of every weight sync: it stops a run, never changes what is trained"
 
+# The default stop of the sync guard's log-prob check, in nats, per (server_backend, rollout.dtype), against
+# an fp32 trainer, from `bench/sampler_mismatch.py` (SmolLM2-135M-Instruct, 64 chat prompts x 32 tokens, T=1;
+# docs/vllm.md): largest |diff| 5.5e-5 (hf fp32), 7.2e-5 (vllm fp32; 3e-4 after perturbing each layer),
+# 0.27 (hf bf16), 0.71 (vllm bf16, a heavy tail: p99 0.16). fp32 stops at a skipped update (0.05-1 nats
+# in the tests); bf16 only at a broken sampler, its rounding being what algorithm.rollout_correction
+# corrects. The weights themselves are checked exactly either way (rollout.check_fingerprint).
+LOGPROB_DIFF_STOPS: dict[tuple[str, str], float] = {
+    ("hf", "float32"): 1e-3,
+    ("hf", "bfloat16"): 5.0,
+    ("vllm", "float32"): 2e-3,
+    ("vllm", "bfloat16"): 5.0,
+}
+
 
 class CheckpointConfig(Section):
     every_steps: int = Field(10, ge=1)
@@ -213,9 +226,13 @@ class RolloutConfig(Section):
     """Rows the worker samples, and the trainer rescores, right after each weight sync when
     off_policy_steps > 0 or async (the guard compares both under the same version). At 0 the log-probs of
     every sampled row are compared instead, as PPO's old log-probs."""
-    max_logprob_diff: Annotated[float, neutral(SYNC_GUARD)] = Field(1e-3, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the worker samples in (mode server). bfloat16 halves a sync's bytes and, on a GPU,
+    speeds sampling, but its log-probs differ from an fp32 trainer's: correct the gap with
+    algorithm.rollout_correction (docs/vllm.md has the measured table)."""
+    max_logprob_diff: Annotated[float | None, neutral(SYNC_GUARD)] = Field(None, gt=0)
     """Largest |trainer - worker| log-prob difference of a sampled token after a sync, in nats; above
-    it the run stops."""
+    it the run stops. None: the measured stop of the sampler (server_backend, dtype), LOGPROB_DIFF_STOPS."""
     vllm_python: Annotated[str, neutral(TRANSPORT)] = ".venv-vllm/bin/python"
     """Interpreter of the separate vLLM environment."""
     replicas: Annotated[int, neutral(SPREAD)] = Field(1, ge=1, le=64)
@@ -225,6 +242,13 @@ class RolloutConfig(Section):
     """URLs of vLLM replicas someone else runs (an external fleet): rlflow starts none, checks each is
     reachable before the stage trains, and sends them weights over gloo (rollout.trainer_address). Their
     API key comes from the environment variable RLFLOW_REPLICA_API_KEY, never from the config."""
+    transport: Annotated[Literal["auto", "shm", "gloo", "fsspec"], neutral(TRANSPORT)] = "auto"
+    """How weights reach vLLM replicas. auto: shm (shared memory) for the replicas rlflow starts, gloo
+    for rollout.endpoints; fsspec: safetensors files in rollout.weights_url, for replicas that share
+    storage with the trainer but no network group."""
+    weights_url: Annotated[str | None, neutral(TRANSPORT)] = None
+    """transport fsspec: a folder the trainer and every replica reach (a shared disk, s3://bucket/path);
+    each side reads its credentials from its own environment, never from the config."""
     trainer_address: Annotated[str, neutral(TRANSPORT)] = "127.0.0.1"
     """The address external replicas reach the trainer at: its gloo TCPStore, for weights."""
     startup_timeout_s: Annotated[float, neutral("a time limit of the worker's start")] = Field(300.0, gt=0)
@@ -248,6 +272,7 @@ class RolloutConfig(Section):
             )
         from rlflow.engine.config.secrets import redact_url
 
+        self._check_transport()
         for url in self.endpoints:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"rollout.endpoints: {redact_url(url)!r} is not an http(s) URL (e.g. http://10.0.0.7:8000)")
@@ -257,6 +282,30 @@ class RolloutConfig(Section):
                     " replicas' key in the environment variable RLFLOW_REPLICA_API_KEY instead"
                 )
         return self
+
+    def _check_transport(self) -> None:
+        from rlflow.engine.config.secrets import redact_url
+
+        if self.transport != "auto" and (self.mode, self.server_backend) != ("server", "vllm"):
+            raise ValueError(
+                f"rollout.transport={self.transport} moves weights to vLLM replicas: it needs rollout.mode=server"
+                f" and rollout.server_backend=vllm (got {self.mode}, {self.server_backend}); or leave it auto"
+            )
+        if self.transport == "shm" and self.endpoints:
+            raise ValueError(
+                "rollout.transport=shm maps the trainer's memory: it serves only the replicas rlflow starts on this"
+                " host, not rollout.endpoints; use gloo or fsspec (or auto)"
+            )
+        if self.transport == "fsspec" and not self.weights_url:
+            raise ValueError(
+                "rollout.transport=fsspec writes the weights into a folder the replicas read: set rollout.weights_url"
+                " (a shared disk or s3://bucket/path)"
+            )
+        if self.weights_url and redact_url(self.weights_url) != self.weights_url:
+            raise ValueError(
+                f"rollout.weights_url: {redact_url(self.weights_url)!r} carries credentials; the config is logged:"
+                " give each side its storage credentials in its environment instead"
+            )
 
     @model_validator(mode="after")
     def _check_async(self) -> RolloutConfig:
@@ -276,6 +325,13 @@ class RolloutConfig(Section):
                 " rollout.async=true sends mid-generation; set rollout.async=true or rollout.partial_rollouts=false"
             )
         return self
+
+    @property
+    def logprob_diff_stop(self) -> float:
+        """rollout.max_logprob_diff, or the measured stop of this sampler and dtype."""
+        if self.max_logprob_diff is not None:
+            return self.max_logprob_diff
+        return LOGPROB_DIFF_STOPS[(self.server_backend, self.dtype)]
 
     @property
     def samples_ahead(self) -> bool:

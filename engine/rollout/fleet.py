@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rlflow.engine.config.sampling import SamplingParams
+from rlflow.engine.faults import armed
 from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.replica import (
     MAX_PARALLEL_ROWS,
@@ -35,15 +36,17 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaFleet:
-    def __init__(self, clients: Sequence[ReplicaClient]):
+    def __init__(self, clients: Sequence[ReplicaClient], on_close: Callable[[], None] | None = None):
         if not clients:
             raise ValueError("a fleet needs at least one replica")
         self.clients = list(clients)
-        self.dead: set[str] = set()
+        self._on_close = on_close  # e.g. give the trainer back the replicas' cores
+        self.dead: dict[str, str] = {}  # replica name -> why it was dropped
         self._rows = RowRequests(MAX_PARALLEL_ROWS * len(self.clients), "rollout fleet")
         self._lock = threading.Lock()
         self.concurrent = False
         self.worker_idle_s = 0.0
+        self.generations = 0  # generate calls so far (RLFLOW_FAULT rollout:replica_kill:<n>)
 
     @property
     def live(self) -> list[ReplicaClient]:
@@ -63,6 +66,10 @@ class ReplicaFleet:
         return self.collect(self.submit(prompts, params, seed))
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, **_: Any) -> int:
+        self.generations += 1
+        if armed("rollout", "replica_kill", self.generations):  # the fault tests' replicas dying mid-step
+            for client in self.clients:
+                client.kill()
         stops = [int(t) for t in stop_token_ids(self.tokenizer)]
         return self._rows.submit(self._row, prompts, params, seed, stops)
 
@@ -74,11 +81,11 @@ class ReplicaFleet:
         return self._rows.collect(request_id)
 
     def _row(self, index: int, prompt: list[int], params: SamplingParams, seed: int, stops: list[int]) -> Any:
-        failures: list[str] = []
         while True:
             live = self.live
-            if not live:
-                raise ReplicaError(f"rollout fleet: no replica left ({'; '.join(failures) or 'all dropped'})")
+            if not live:  # whichever row's thread dropped them, every row's error names them all
+                why = "; ".join(f"{name}: {reason}" for name, reason in self.dead.items())
+                raise ReplicaError(f"rollout fleet: no replica left ({', '.join(self.dead)}); {why}")
             client = live[index % len(live)]
             try:
                 return client._generate_row(index, prompt, params, seed, stops)
@@ -86,13 +93,12 @@ class ReplicaFleet:
                 if client.health():
                     raise  # it answers: a refusal or a malformed answer, not a dead replica
                 self._drop(client, str(exc))
-                failures.append(client.name)
 
     def _drop(self, client: ReplicaClient, why: str) -> None:
         with self._lock:
             if client.name in self.dead:
                 return
-            self.dead.add(client.name)
+            self.dead[client.name] = why
         log.warning("rollout replica %s dropped from the fleet, its rows go to the others: %s", client.name, why)
 
     # --- weights ---------------------------------------------------------------------------------
@@ -118,3 +124,6 @@ class ReplicaFleet:
         self._rows.close()
         for client in self.clients:
             client.close()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None

@@ -15,8 +15,9 @@ named by rollout.endpoints):
 
 Every request carries the replica's key (engine/rollout/replica_auth.py); every wait is bounded by
 `timeout_s`. Weights travel through rlflow's transfer engine in the replica (vllm_transfer.py) over a
-channel (transfer.py): `transport="shm"`, a memfd on this host, or `"gloo"`, a two-rank gloo group
-for a replica anywhere; the replica reports the fingerprint of what it loaded over the same channel.
+channel (transfer.py): `transport="shm"`, a memfd on this host, `"gloo"`, a two-rank gloo group
+for a replica anywhere, or `"fsspec"`, safetensors files in a folder both reach (`weights_url`); the
+replica reports the fingerprint of what it loaded over the same channel.
 A replica's engine serves the trainer that attached last.
 """
 
@@ -38,7 +39,7 @@ from rlflow.engine.config.secrets import redact_url
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.replica_auth import auth_header
-from rlflow.engine.rollout.transfer import GlooChannel, SharedMemoryChannel
+from rlflow.engine.rollout.transfer import make_channel
 from rlflow.engine.rollout.weight_sync import DTYPES, Bucket, iter_buckets
 
 MB = 1 << 20
@@ -123,10 +124,12 @@ class ReplicaClient:
         timeout_s: float = 600.0,
         on_failure: Callable[[], str] | None = None,
         on_close: Callable[[], None] | None = None,
+        on_kill: Callable[[], None] | None = None,
         pause_mode: str = "wait",
         check_fingerprint: bool = True,
         transport: str = "shm",
         gloo_host: str = "127.0.0.1",
+        weights_url: str | None = None,
     ):
         self.url, self.name = url.rstrip("/"), name or redact_url(url)
         self.tokenizer, self.run_tag, self.timeout_s = tokenizer, run_tag, timeout_s
@@ -136,16 +139,13 @@ class ReplicaClient:
         self._session.mount("http://", adapter)  # a connection per row in flight, and the control calls
         self._session.mount("https://", adapter)
         self._rows = RowRequests(MAX_PARALLEL_ROWS, f"rollout replica {self.name}")
-        if transport not in ("shm", "gloo"):
-            raise ValueError(f"unknown weight transport {transport!r}; use 'shm' (this host) or 'gloo'")
-        self.channel = (
-            SharedMemoryChannel(check_fingerprint)
-            if transport == "shm"
-            else GlooChannel(gloo_host, fingerprint=check_fingerprint, timeout_s=timeout_s)
+        self.channel = make_channel(
+            transport, fingerprint=check_fingerprint, timeout_s=timeout_s, gloo_host=gloo_host, url=weights_url
         )
         self._report: dict[str, Any] = {}
         self.on_failure = on_failure  # says why (e.g. the replica process died, quoting its log)
         self.on_close = on_close  # stops a replica this client owns
+        self.on_kill = on_kill  # SIGKILLs it (fault tests)
         self.pause_mode = pause_mode  # how an update treats generations in flight: wait, or keep (partial rollouts)
         self.dtype = torch.float32  # the replica's weight dtype, from its transfer engine's report
         self.concurrent = False  # kept for the RolloutClient interface: HTTP requests never block each other
@@ -335,6 +335,11 @@ class ReplicaClient:
         if "fingerprint" not in self._report:
             self._fail("fingerprint() before any weight update")
         return str(self._report["fingerprint"])
+
+    def kill(self) -> None:
+        """SIGKILL the replica this client started (RLFLOW_FAULT rollout:replica_kill); nothing for one it did not."""
+        if self.on_kill is not None:
+            self.on_kill()
 
     def close(self) -> None:
         self._rows.close()

@@ -79,6 +79,7 @@ class RolloutService:
                 cfg.server_backend,
                 model_dir,
                 startup_timeout_s=cfg.startup_timeout_s,
+                dtype=cfg.dtype,
                 threads=cfg.threads,
                 response_timeout_s=cfg.response_timeout_s,
                 tokenizer=tokenizer,
@@ -188,7 +189,7 @@ class RolloutService:
             trainer_logprobs,
             batch.sampled_logprobs,
             batch.response_mask,
-            self.cfg.max_logprob_diff,
+            self.cfg.logprob_diff_stop,
             compare_fingerprints,
         )
         self.trainer_fingerprint = self.worker_fingerprint = None  # compared: until the next sync

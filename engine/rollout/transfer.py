@@ -6,12 +6,17 @@ A channel carries buckets (engine/rollout/weight_sync.py) to one replica and rea
 - `GlooChannel` (transport gloo): a replica anywhere joins a two-rank gloo group whose TCPStore the
   trainer hosts; each bucket is broadcast while its /update_weights call is in flight (the replica
   takes part in the broadcast inside that call), and so is the replica's report.
-vLLM's HTTP routes drive both (`call(path, body)`, the client's); a channel only adds the bytes.
+- `FsspecChannel` (transport fsspec): a replica that shares no network group with the trainer, only
+  storage (a shared disk, s3://): each bucket is written there as a safetensors file, the replica
+  reads it inside its /update_weights call and writes its report beside it. Each side reaches the
+  storage with its own environment's credentials: nothing secret travels in a request.
+vLLM's HTTP routes drive all three (`call(path, body)`, the client's); a channel only adds the bytes.
 Every collective has the group's timeout: a replica gone mid-broadcast is an error, not a hang.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -155,3 +160,79 @@ class GlooChannel:
 
     def close(self) -> None:
         self.group = self.store = self.buffer = None
+
+
+class FsspecChannel:
+    transport = "fsspec"
+    REPORT = "report.json"
+
+    def __init__(self, url: str, fingerprint: bool = True):
+        """url: a folder both sides reach (file:///shared/weights, s3://bucket/run/weights); this
+        channel owns the files it writes there (bucket-*.safetensors, report.json)."""
+        import fsspec
+
+        self.url, self.fingerprint = url.rstrip("/"), fingerprint
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.written: set[str] = set()
+        self._slot_bytes = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _read_report(self, call: Call, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """POST, then read the report the replica wrote during that call (removed first: never a stale one)."""
+        if self.fs.exists(self._path(self.REPORT)):
+            self.fs.rm_file(self._path(self.REPORT))
+        call(path, body)
+        with self.fs.open(self._path(self.REPORT), "rb") as f:
+            return json.loads(f.read())
+
+    def attach(self, call: Call, slot_bytes: int) -> dict[str, Any]:
+        self.fs.makedirs(self.root, exist_ok=True)
+        self.written.add(self.REPORT)
+        info = {"transport": "fsspec", "url": self.url, "nbytes": slot_bytes, "fingerprint": self.fingerprint}
+        report = self._read_report(call, "/init_weight_transfer_engine", {"init_info": info})
+        self._slot_bytes = slot_bytes
+        return report
+
+    def send(self, call: Call, bucket: Bucket, index: int) -> None:
+        from safetensors.torch import save
+
+        name = f"bucket-{index:05d}.safetensors"
+        data = save({e.name: t.contiguous() for e, t in zip(bucket.entries, bucket.tensors)})
+        with self.fs.open(self._path(name), "wb") as f:
+            f.write(data)
+        self.written.add(name)
+        body = {"update_info": {"offset": 0, "nbytes": bucket.nbytes, "file": name}}
+        call("/update_weights", body)
+
+    def finish(self, call: Call) -> dict[str, Any]:
+        return self._read_report(call, "/finish_weight_update", None)
+
+    def close(self) -> None:
+        for name in sorted(self.written):
+            if self.fs.exists(self._path(name)):
+                self.fs.rm_file(self._path(name))
+        self.written.clear()
+
+
+TRANSPORTS = ("shm", "gloo", "fsspec")
+
+
+def make_channel(
+    transport: str, *, fingerprint: bool, timeout_s: float, gloo_host: str = "127.0.0.1", url: str | None = None
+):
+    """The trainer's channel of `transport` (one of TRANSPORTS); unknown ones list the valid ones."""
+    if transport == "shm":
+        return SharedMemoryChannel(fingerprint)
+    if transport == "gloo":
+        return GlooChannel(gloo_host, fingerprint=fingerprint, timeout_s=timeout_s)
+    if transport == "fsspec":
+        if not url:
+            raise ValueError("weight transport fsspec needs a folder both sides reach (rollout.weights_url)")
+        return FsspecChannel(url, fingerprint)
+    raise ValueError(f"unknown weight transport {transport!r}; use one of {list(TRANSPORTS)}")

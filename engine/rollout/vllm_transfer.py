@@ -12,14 +12,17 @@ trainer at `/init_weight_transfer_engine` (engine/rollout/transfer.py is the tra
   trainer's user), and each `/update_weights` carries only the bucket's layout as JSON;
 - `gloo`, a replica anywhere: a two-rank torch.distributed gloo group of its own (a TCPStore on the
   trainer), each bucket broadcast from the trainer while its `/update_weights` call is in flight.
+- `fsspec`, a replica that shares only storage with the trainer: each bucket is a safetensors file
+  in a folder both reach (`url`, read with this environment's own credentials), named by its
+  `/update_weights` call; the report is written beside it (report.json).
 
 Either way the tensors go to `model.load_weights`, which maps HF names onto vLLM's fused layers
 (qkv_proj, gate_up_proj) and converts the dtype, and the replica reports back (engine/rollout/staging.py
 format): its weight dtype at init, and after each update the count and the fingerprint of what it loaded
 (per-tensor digests rounded to that dtype), which the trainer compares with its own. shm writes the report
-into the memfd's first REPORT_BYTES, gloo broadcasts it from the replica. vLLM's `weight_checker` cannot
-serve here: on the CPU its checksums of the repacked linear layers hash empty tensors, so they would not
-see a skipped update of those layers.
+into the memfd's first REPORT_BYTES, gloo broadcasts it from the replica, fsspec writes report.json.
+vLLM's `weight_checker` cannot serve here: on the CPU its checksums of the repacked linear layers hash
+empty tensors, so they would not see a skipped update of those layers.
 
 Every update runs vLLM's layerwise-reload lifecycle (as its NCCL engine does): a backend that repacks
 weights after loading (the CPU's linear kernels do) repacks the new ones in `finish_weight_update`.
@@ -30,6 +33,7 @@ this module imports vLLM, so only the replica's environment (.venv-vllm) imports
 
 from __future__ import annotations
 
+import json
 import mmap
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,11 +47,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlflow.engine.rollout.staging import REPORT_BYTES, write_report
-from rlflow.engine.rollout.transfer import REPLICA, TRAINER, broadcast
+from rlflow.engine.rollout.transfer import REPLICA, TRAINER, TRANSPORTS, broadcast
 from rlflow.engine.rollout.weight_sync import TensorEntry, fingerprint_from_digests, tensor_digest, unpack_bucket
 
 BACKEND = "rlflow"
-TRANSPORTS = ("shm", "gloo")
 
 
 @dataclass
@@ -57,6 +60,7 @@ class RlflowInitInfo(WeightTransferInitInfo):
     path: str | None = None  # shm: /proc/<trainer pid>/fd/<memfd>
     host: str | None = None  # gloo: the trainer's TCPStore
     port: int | None = None
+    url: str | None = None  # fsspec: the folder of the bucket files
     timeout_s: float = 600.0  # gloo: longest wait for the trainer's side of a collective
     fingerprint: bool = True  # digest every loaded tensor (rollout.check_fingerprint; ~0.3 s per 538 MB here)
 
@@ -66,6 +70,7 @@ class RlflowUpdateInfo(WeightTransferUpdateInfo):
     offset: int  # shm: where the bucket starts in the staging memory; gloo: 0
     nbytes: int
     tensors: list[dict[str, Any]] = field(default_factory=list)  # TensorEntry.to_json, offsets in the bucket
+    file: str | None = None  # fsspec: the bucket's safetensors file in the init's folder
 
 
 class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo]):
@@ -78,6 +83,8 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
         self.transport: str | None = None
         self.buffer: torch.Tensor | None = None  # shm: the mapped memfd; gloo: the receive buffer
         self.group: Any = None
+        self.fs: Any = None  # fsspec: the filesystem of the bucket files, and their folder
+        self.root: str | None = None
         self.fingerprinting = True
         self.digests: dict[str, tuple[tuple[int, ...], str]] = {}  # of the tensors loaded since the start
 
@@ -90,6 +97,10 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
             with open(init_info.path, "r+b") as f:  # the mapping outlives the descriptor
                 mapped = mmap.mmap(f.fileno(), init_info.nbytes)
             self.buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+        elif init_info.transport == "fsspec":
+            import fsspec
+
+            self.fs, self.root = fsspec.core.url_to_fs(init_info.url)
         else:
             import torch.distributed as dist
 
@@ -105,6 +116,10 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
     def _report(self, report: dict[str, Any]) -> None:
         if self.transport == "shm":
             write_report(self.buffer, report)
+            return
+        if self.transport == "fsspec":
+            with self.fs.open(f"{self.root}/report.json", "wb") as f:
+                f.write(json.dumps(report).encode())
             return
         message = torch.zeros(REPORT_BYTES, dtype=torch.uint8)
         write_report(message, report)
@@ -122,6 +137,9 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: RlflowUpdateInfo) -> None:
+        if self.transport == "fsspec":
+            self._load(self._read_file(update_info.file))
+            return
         if self.buffer is None:
             raise RuntimeError(f"{BACKEND}: /update_weights before /init_weight_transfer_engine")
         end = update_info.offset + update_info.nbytes
@@ -136,7 +154,17 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
         entries = [TensorEntry.from_json(t) for t in update_info.tensors]
         # copy=True: the layerwise reload keeps these tensors until their layer is complete, which may
         # be buckets later, and by then the next bucket has overwritten this buffer.
-        weights = [(name, view.to(self.device, copy=True)) for name, view in unpack_bucket(entries, buffer)]
+        self._load([(name, view.to(self.device, copy=True)) for name, view in unpack_bucket(entries, buffer)])
+
+    def _read_file(self, name: str | None) -> list[tuple[str, torch.Tensor]]:
+        from safetensors.torch import load  # no pickle: a file in shared storage is data only
+
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{BACKEND}: fsspec bucket file {name!r} is not a plain file name in {self.root}")
+        with self.fs.open(f"{self.root}/{name}", "rb") as f:
+            return [(key, tensor.to(self.device)) for key, tensor in load(f.read()).items()]
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(weights=weights)
         for name, tensor in weights:
             digest = tensor_digest(tensor, self.model_config.dtype) if self.fingerprinting else ""
@@ -164,6 +192,7 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
     def shutdown(self) -> None:
         self.buffer = None  # a memfd mapping closes with its last view
         self.group = None
+        self.fs = self.root = None
 
 
 def register() -> None:

@@ -233,8 +233,8 @@ def check_weight_sync(
             "rollout worker is out of sync with the trainer: "
             + "; ".join(failures)
             + ". A weight update was skipped or incomplete: check that update_weights runs after every optimizer"
-            " step and sends all parameters (raise rollout.max_logprob_diff only for a sampler that is"
-            " known to differ numerically, e.g. bf16)",
+            " step and sends all parameters (rollout.max_logprob_diff overrides the measured stop of a sampler"
+            " and dtype, LOGPROB_DIFF_STOPS in engine/config/execution.py)",
             check,
         )
     return check

@@ -105,3 +105,46 @@ def test_async_rollout_is_spelled_async_needs_a_worker_and_refuses_what_it_canno
     for message, rollout in refusals.items():
         with pytest.raises(ConfigError, match=message):
             build_config({"rollout": rollout}, "t")
+
+
+def test_the_guards_logprob_stop_is_the_measured_one_of_the_sampler_and_dtype_unless_set():
+    from rlflow.engine.config.execution import LOGPROB_DIFF_STOPS
+
+    assert RolloutConfig().dtype == "float32" and RolloutConfig().logprob_diff_stop == 1e-3
+    vllm = dict(mode="server", server_backend="vllm")
+    assert RolloutConfig(**vllm).logprob_diff_stop == LOGPROB_DIFF_STOPS[("vllm", "float32")] == 2e-3
+    assert RolloutConfig(**vllm, dtype="bfloat16").logprob_diff_stop == 5.0  # the tail of bf16 rounding
+    assert RolloutConfig(**vllm, dtype="bfloat16", max_logprob_diff=0.5).logprob_diff_stop == 0.5
+    assert {(b, d) for b in ("hf", "vllm") for d in ("float32", "bfloat16")} == set(LOGPROB_DIFF_STOPS)
+    with pytest.raises(ValidationError):
+        RolloutConfig(dtype="float16")
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(transport="gloo"), "rollout.transport=gloo moves weights to vLLM replicas: it needs rollout.mode=server"),
+        (dict(mode="server", server_backend="vllm", transport="fsspec"), "rollout.transport=fsspec writes the weights"),
+        (
+            dict(mode="server", server_backend="vllm", transport="shm", endpoints=["http://10.0.0.7:8000"]),
+            "rollout.transport=shm maps the trainer's memory",
+        ),
+        (
+            dict(mode="server", server_backend="vllm", transport="fsspec", weights_url="s3://AKIA:hunter2@bucket/w"),
+            "rollout.weights_url: 's3://***@bucket/w' carries credentials",
+        ),
+    ],
+)
+def test_a_weight_transport_that_cannot_work_is_refused_naming_the_fix(fields, message):
+    """Through the loader, as `rlflow run` reports it: one line, the credentials never in it."""
+    from rlflow.engine.config.schema import build_config
+    from rlflow.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build_config({"rollout": fields}, "run.yaml")
+    assert str(info.value).startswith(f"run.yaml: {message}") and "hunter2" not in str(info.value)
+
+
+def test_fsspec_weights_need_only_a_folder_both_sides_reach():
+    cfg = RolloutConfig(mode="server", server_backend="vllm", transport="fsspec", weights_url="s3://bucket/weights")
+    assert (cfg.transport, cfg.weights_url) == ("fsspec", "s3://bucket/weights")

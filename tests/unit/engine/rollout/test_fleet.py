@@ -114,9 +114,11 @@ def test_a_killed_replicas_rows_go_to_the_survivor_and_none_left_is_an_error(fle
     with caplog.at_level(logging.WARNING, logger="rlflow.engine.rollout.fleet"):
         generation = fleet.generate(prompts(fleet, 6), PARAMS, seed=2)
     assert len(generation.response_ids) == 6 and all(generation.response_ids)
-    assert fleet.dead == {"vllm-1"}
+    assert set(fleet.dead) == {"vllm-1"}
     assert "rollout replica vllm-1 dropped from the fleet" in caplog.text
     os.killpg(replicas[0].proc.pid, signal.SIGKILL)
     replicas[0].proc.wait(timeout=60)
-    with pytest.raises(ReplicaError, match=r"rollout fleet: no replica left \(vllm-0\)"):
+    none_left = r"rollout fleet: no replica left \(vllm-1, vllm-0\); vllm-1: .*code -9"
+    with pytest.raises(ReplicaError, match=none_left) as err:
         fleet.generate(prompts(fleet, 2), PARAMS, seed=3)
+    assert "vllm-0: rollout replica vllm-0: /inference/v1/generate could not connect" in str(err.value)

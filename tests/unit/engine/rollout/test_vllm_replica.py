@@ -150,30 +150,53 @@ def test_the_fingerprint_guard_catches_a_skipped_update(client, policy):
     assert trainer_check(client, policy, prompts, client.generate(prompts, params, seed=3), params).fingerprint_match
 
 
-def test_weights_also_travel_over_a_gloo_group_for_a_replica_on_another_host(replica, client, policy):
-    """The gloo transport (a two-rank group with a TCPStore on the trainer, each bucket broadcast while
-    its /update_weights call runs) on the same replica: what a replica on another machine uses."""
+@pytest.mark.parametrize("transport", ["gloo", "fsspec"])
+def test_weights_also_travel_to_a_replica_on_another_host(replica, client, policy, transport, tmp_path):
+    """On the same replica, the transports of a replica elsewhere: gloo (a two-rank group with a
+    TCPStore on the trainer, each bucket broadcast while its /update_weights call runs) and fsspec
+    (each bucket a safetensors file in a folder both reach, for a replica that shares only storage)."""
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=8)
     prompts = chat_prompts(client.tokenizer, 2)
-    gloo = ReplicaClient(
-        replica.url, replica.key, client.tokenizer, name="vllm-0", transport="gloo", timeout_s=300,
-        run_tag=client.run_tag,
+    folder = tmp_path / "weights"
+    other = ReplicaClient(
+        replica.url, replica.key, client.tokenizer, name="vllm-0", transport=transport, timeout_s=300,
+        run_tag=client.run_tag, weights_url=f"file://{folder}" if transport == "fsspec" else None,
     )
     original = policy.model.norm.weight.detach().clone()
     try:
         with torch.no_grad():
             policy.model.norm.weight.mul_(1.05)
-        stats = gloo.update_weights(policy.named_parameters(), bucket_mb=64, version=20)
-        assert stats.transport == "gloo" and stats.buckets >= 8
-        check = trainer_check(gloo, policy, prompts, gloo.generate(prompts, params, seed=4), params)
+        stats = other.update_weights(policy.named_parameters(), bucket_mb=64, version=20)
+        assert stats.transport == transport and stats.buckets >= 8
+        if transport == "fsspec":  # what the replica read: safetensors files, and its report
+            files = sorted(f.name for f in folder.iterdir())
+            assert files == [f"bucket-{i:05d}.safetensors" for i in range(stats.buckets)] + ["report.json"]
+        check = trainer_check(other, policy, prompts, other.generate(prompts, params, seed=4), params)
         assert check.fingerprint_match and check.logprob_diff_max < FP32_TOLERANCE
     finally:
         with torch.no_grad():
             policy.model.norm.weight.copy_(original)
-        gloo.close()
+        other.close()
+    assert not folder.exists() or not list(folder.iterdir())  # the channel removes what it wrote
     client.attach(256 << 20)  # the replica's engine serves the trainer that attached last: back to shared memory
     client.update_weights(policy.named_parameters(), version=21)
     assert trainer_check(client, policy, prompts, client.generate(prompts, params, seed=4), params).fingerprint_match
+
+
+def test_seeded_rows_beyond_one_steps_token_budget_sample_on_the_cpu(client):
+    """64 seeded rows of ~100 prompt tokens (more than one engine step's token budget): with chunked
+    prefill, vLLM 0.32 on the CPU killed its engine core here ("CPU Generator does not use offset");
+    the replica prefills whole prompts instead, and every row samples."""
+    filler = " ".join(["Please add the two numbers below and give only the sum."] * 8)
+    prompts = []
+    for i in range(64):
+        messages = [{"role": "user", "content": f"{filler} {i + 3} + {2 * i + 5} ="}]
+        ids = client.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    assert sum(map(len, prompts)) > 6000
+    generation = client.generate(prompts, SamplingParams(1.0, 1.0, 2), seed=11)
+    assert len(generation.response_ids) == 64 and all(1 <= len(row) <= 2 for row in generation.response_ids)
+    assert client.health()
 
 
 def update_while_sampling(client, policy, prompts, params, mode: str, version: int):
@@ -254,3 +277,32 @@ def test_a_killed_replica_is_an_error_naming_it_not_a_hang(client, replica):
         ReplicaError, match=r"rollout replica vllm-0: /inference/v1/generate could not connect.*exited with code -9"
     ):
         client.generate(chat_prompts(client.tokenizer, 2), SamplingParams(0.7, 1.0, 4), seed=1)
+
+
+def test_the_trainer_leaves_the_replicas_cores_to_it_until_the_fleet_closes():
+    """pin_trainer moves every thread of the trainer (those started before it too) off the replica's
+    cores and lowers torch's thread count to the cores left; its undo restores both."""
+    from rlflow.engine.rollout.vllm_replica import pin_trainer, replica_cores
+
+    def affinities() -> set[frozenset[int]]:
+        return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    started = threading.Event()
+    idle = threading.Thread(target=started.wait, daemon=True)  # a thread that exists before the pin
+    idle.start()
+    torch.set_num_threads(len(before))
+    replica = replica_cores(1)
+    restore = pin_trainer(replica)
+    try:
+        if len(before) == 1:  # nothing to give: the trainer keeps its only core
+            assert affinities() == {frozenset(before)}
+        else:
+            assert affinities() == {frozenset(before - {int(replica)})}
+            assert torch.get_num_threads() == len(before) - 1
+    finally:
+        restore()
+        started.set()
+    assert affinities() == {frozenset(before)} and torch.get_num_threads() == len(before)
+    torch.set_num_threads(threads)
+    assert pin_trainer(None)() is None  # vLLM chooses its cores: nothing to pin

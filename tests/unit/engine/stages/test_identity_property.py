@@ -55,6 +55,7 @@ UNCHANGEABLE = {
     "rollout.partial_rollouts": "only with rollout.async, which the first base leaves off",
     "rollout.replicas": "only with rollout.mode=server and server_backend=vllm, which no base sets",
     "rollout.endpoints": "only with rollout.mode=server and server_backend=vllm, which no base sets",
+    "rollout.transport": "only with rollout.mode=server and server_backend=vllm, which no base sets",
 }
 
 
@@ -182,6 +183,8 @@ SPECIFIC = {
     "label.online_from_round": [0, 1, None],
     "label.human_inbox": ["inbox-elsewhere", None],
     "kl.estimator": ["k2", None],
+    "rollout.max_logprob_diff": [0.01],
+    "rollout.weights_url": ["file:///shared/weights"],
     "kl.in_loss": [True, None],
     "kl.pause_above": [0.5, None],
     "kl.stop_above": [0.5, None],
