@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,10 @@ ROWS = ("params_trainable", "adam_state_mb", "optim_shard_mb", "model_dir_mb", "
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's own peak (VmHWM): ru_maxrss would carry over the parent's, across execve."""
+    from rlflow.engine.estimate.probe import peak_resident_bytes
+
+    return peak_resident_bytes() / 2**20
 
 
 def measure(mode: str, policy: str, shape: str, lora_r: int, targets: list[str]) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,10 @@ CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's own peak (VmHWM): ru_maxrss would carry over the parent's, across execve."""
+    from rlflow.engine.estimate.probe import peak_resident_bytes
+
+    return peak_resident_bytes() / 2**20
 
 
 def sft_step(model_dir: str, engine_keys: dict) -> None:

@@ -3,6 +3,7 @@ server start. Each raises an RlflowError naming the key and value."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -23,7 +24,7 @@ def check_backend(config: Any) -> None:
 
         check_resources(config.resources)
     if config.rollout.endpoints:
-        check_endpoints(config.rollout.endpoints)
+        check_endpoints(config.rollout.endpoints, config.model.path)
     elif config.rollout.mode == "server" and config.rollout.server_backend == "vllm":
         if not os.path.isfile(config.rollout.vllm_python):
             raise ConfigError(
@@ -32,14 +33,22 @@ def check_backend(config: Any) -> None:
             )
 
 
-def check_endpoints(urls: list[str], timeout_s: float = 10.0) -> None:
-    """An external fleet (rollout.endpoints): the key is in the environment, and every replica answers
-    with it, before anything trains."""
+def check_endpoints(urls: list[str], model_path: str | None = None, timeout_s: float = 10.0) -> None:
+    """An external fleet (rollout.endpoints): the key is in the environment, every replica answers
+    with it, and serves a model the policy's weights fit (model.path's architecture and shapes, where
+    model.path is a local HF directory), before anything trains."""
     import requests
 
     from rlflow.engine.config.secrets import redact_url
     from rlflow.engine.errors import ConfigError
     from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV, auth_header
+    from rlflow.engine.rollout.replica_model import SIGNATURE_PATH, model_signature, signature_mismatch
+
+    config_file = os.path.join(model_path, "config.json") if model_path else ""
+    expected = None
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            expected = model_signature(json.load(f))
 
     key = os.environ.get(REPLICA_KEY_ENV, "")
     if not key:
@@ -54,6 +63,20 @@ def check_endpoints(urls: list[str], timeout_s: float = 10.0) -> None:
             raise ConfigError(f"{where} refused the key in {REPLICA_KEY_ENV} (401)")
         if answer.status_code != 200:
             raise ConfigError(f"{where} is no vLLM replica with RL routes: /weight_info answered {answer.status_code}")
+        if expected is None:
+            continue
+        answer = requests.get(url.rstrip("/") + SIGNATURE_PATH, headers=auth_header(key), timeout=timeout_s)
+        if answer.status_code != 200:
+            raise ConfigError(
+                f"{where} does not say which model it serves ({SIGNATURE_PATH} answered {answer.status_code}):"
+                " start it with --middleware rlflow.engine.rollout.replica_model.ServedModel (docs/vllm.md)"
+            )
+        wrong = signature_mismatch(answer.json(), expected)
+        if wrong:
+            raise ConfigError(
+                f"{where} serves another model than model.path={model_path} ({'; '.join(wrong)}): the policy's"
+                " weights would not fit it; point rollout.endpoints at replicas of that model"
+            )
 
 
 def check_devices(config: Any) -> None:
@@ -205,6 +228,22 @@ def check_mirror(config: Any) -> None:
         raise ConfigError(f"checkpoint.mirror {config.checkpoint.mirror!r} cannot be written: {reason}") from None
 
 
+def check_weights_url(config: Any) -> None:
+    """rollout.transport=fsspec: the trainer must be able to write the weights where the replicas read
+    them (with its environment's credentials: the URL carries none)."""
+    if config.rollout.transport != "fsspec":
+        return
+    from rlflow.engine.errors import ConfigError
+    from rlflow.engine.storage.errors import STORAGE_ERRORS, describe_storage_error
+
+    url = config.rollout.weights_url
+    try:
+        probe_write(url, {})
+    except STORAGE_ERRORS as exc:
+        reason = describe_storage_error(url, exc, {}, "the environment's storage credentials")
+        raise ConfigError(f"rollout.weights_url {url!r} cannot be written: {reason}") from None
+
+
 def check_reward_sources(config: Any) -> None:
     """Every rule's arguments and every function's import, before SFT spends its minutes; a
     reward model given by path must exist."""
@@ -323,3 +362,4 @@ def check_inputs(config: Any, writes: bool = True) -> None:
     if writes:
         check_run_root(config)
         check_mirror(config)
+        check_weights_url(config)

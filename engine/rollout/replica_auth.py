@@ -2,9 +2,7 @@
 
 vLLM's own `--api-key` guards only its inference prefixes (/v1, /inference, ...): its RL routes
 (/pause, /update_weights, /collective_rpc in dev mode) stay open, and they can replace a fleet's
-weights. rlflow starts vLLM with `--middleware rlflow.engine.rollout.replica_auth.RequireKey`, and
-its HF replica (engine/rollout/hf_replica.py) mounts the same class, so both backends refuse the
-same requests the same way.
+weights. rlflow starts vLLM with `--middleware rlflow.engine.rollout.replica_auth.RequireKey`.
 
 The key comes from the environment variable REPLICA_KEY_ENV, never from the config, argv, logs or
 MLflow. A replica started without it refuses to start. Pure ASGI, no imports beyond the standard

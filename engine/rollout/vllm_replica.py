@@ -16,6 +16,8 @@ reads the distribution named "vllm", which the CPU build is not). rlflow's part 
   ignores them; `--skip-tokenizer-init --tokens-only`: token ids in and out, nothing re-tokenised;
 - `--middleware ...RequireKey`: every route, RL routes included, needs the key
   (engine/rollout/replica_auth.py); VLLM_SERVER_DEV_MODE=1 is what mounts the RL routes;
+- `--middleware ...ServedModel`: the served model's signature, checked before any weight travels
+  (engine/rollout/replica_model.py);
 - on the CPU: `--enforce-eager` where asked (no torch.compile: a start of ~1 min, not ~2),
   `--no-enable-chunked-prefill` (a seeded request prefilled in chunks kills vLLM 0.32's engine core
   there), VLLM_CPU_OMP_THREADS_BIND (the replica's own cores; `pin_trainer` moves the trainer off
@@ -116,7 +118,8 @@ class VLLMReplica:
         command += ["--logprobs-mode", "processed_logprobs"]
         command += ["--generation-config", "vllm", "--skip-tokenizer-init", "--tokens-only"]
         command += ["--weight-transfer-config", json.dumps({"backend": "rlflow"})]
-        command += ["--middleware", "rlflow.engine.rollout.replica_auth.RequireKey", "--disable-uvicorn-access-log"]
+        command += ["--middleware", "rlflow.engine.rollout.replica_auth.RequireKey"]
+        command += ["--middleware", "rlflow.engine.rollout.replica_model.ServedModel", "--disable-uvicorn-access-log"]
         command += ["--enforce-eager"] if options.eager else []
         command += [] if options.chunked_prefill else ["--no-enable-chunked-prefill"]
         command += list(options.extra_args)
@@ -195,13 +198,15 @@ class VLLMReplica:
         self._finalizer.detach()
 
 
-def replica_cores(threads: int | None) -> str | None:
-    """The last `threads` cores this process may use, for the replica (`pin_trainer` gives the
-    trainer the others); None: vLLM's own choice."""
+def replica_cores(threads: int | None, index: int = 0, count: int = 1) -> str | None:
+    """Replica `index` of `count`'s `threads` cores, taken from the last ones this process may use
+    (`pin_trainer` gives the trainer the others; cores are shared round-robin when there are too
+    few); None: vLLM's own choice."""
     if threads is None:
         return None
-    cores = sorted(os.sched_getaffinity(0))[-threads:]
-    return ",".join(map(str, cores))
+    cores = sorted(os.sched_getaffinity(0))
+    mine = [cores[-(1 + (index * threads + i) % len(cores))] for i in range(threads)]
+    return ",".join(map(str, sorted(mine)))
 
 
 def pin_trainer(replica_cores: str | None) -> Callable[[], None]:
@@ -242,8 +247,8 @@ def start_vllm_sampler(cfg, model_dir: str, tokenizer, log_path: str | None, cud
     the rollout.endpoints someone else runs (weights over gloo to rollout.trainer_address), or of
     rollout.replicas servers started here in rollout.dtype (weights through shared memory; closing the
     fleet stops them and gives the trainer its cores back); rollout.transport fsspec sends the weights
-    through files in rollout.weights_url instead, a folder per replica. A LoRA policy's replicas start from its base: the stage's first sync sends the merged
-    weights before anything is sampled. With rollout.partial_rollouts a weight update freezes the
+    through files in rollout.weights_url instead, a folder per replica. A LoRA policy's replicas start
+    from its base: the stage's first sync sends the merged weights before anything is sampled. With rollout.partial_rollouts a weight update freezes the
     generations in flight (pause mode keep) and they go on under the new weights, each token tagged
     with its version; otherwise they finish under the old ones (wait)."""
     import secrets as _secrets
@@ -274,11 +279,12 @@ def start_vllm_sampler(cfg, model_dir: str, tokenizer, log_path: str | None, cud
         ]
         return ReplicaFleet(clients)
     gpu = torch.cuda.is_available()
-    options = VLLMOptions(dtype=cfg.dtype, cores=replica_cores(cfg.threads), eager=not gpu, chunked_prefill=gpu)
     start_from = lora_base_dir(model_dir) if is_lora_dir(model_dir) else model_dir
     clients: list = []
+    cores = [replica_cores(cfg.threads, i, cfg.replicas) for i in range(cfg.replicas)]
     try:
         for i in range(cfg.replicas):
+            options = VLLMOptions(dtype=cfg.dtype, cores=cores[i], eager=not gpu, chunked_prefill=gpu)
             replica = VLLMReplica.start(
                 start_from, python=cfg.vllm_python, options=options, startup_timeout_s=cfg.startup_timeout_s,
                 log_path=log_path if i == 0 else (f"{log_path}.{i}" if log_path else None),
@@ -293,4 +299,4 @@ def start_vllm_sampler(cfg, model_dir: str, tokenizer, log_path: str | None, cud
         for client in clients:
             client.close()
         raise
-    return ReplicaFleet(clients, on_close=pin_trainer(options.cores))
+    return ReplicaFleet(clients, on_close=pin_trainer(None if cfg.threads is None else ",".join(cores)))

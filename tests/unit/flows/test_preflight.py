@@ -16,6 +16,7 @@ from rlflow.flows.preflight import (
     check_inputs,
     check_lora,
     check_mirror,
+    check_weights_url,
     check_model,
     check_preference_sources,
     check_reward_model_vocabulary,
@@ -167,6 +168,19 @@ def test_a_run_held_by_another_live_process_is_refused(small_assets, tmp_path):
     (run_dir / ".lock").write_text(json.dumps(holder))
     with pytest.raises(CheckpointError, match=f"already being run by pid {os.getppid()}"):
         check_run_root(config(small_assets, tmp_path, run={"name": "held"}))
+
+
+def test_fsspec_weights_need_a_folder_the_trainer_can_write_now(small_assets, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    fsspec = {"mode": "server", "server_backend": "vllm", "transport": "fsspec"}
+    bad = config(small_assets, tmp_path, rollout=fsspec | {"weights_url": f"file://{blocker}/weights"})
+    with pytest.raises(ConfigError, match=f"^rollout.weights_url 'file://{blocker}/weights' cannot be written: "):
+        check_weights_url(bad)
+    good = tmp_path / "weights"
+    check_weights_url(config(small_assets, tmp_path, rollout=fsspec | {"weights_url": f"file://{good}"}))
+    assert good.is_dir() and os.listdir(good) == []
+    check_weights_url(config(small_assets, tmp_path))  # shared memory: nothing to write
 
 
 def test_a_mirror_must_take_a_write_now(small_assets, tmp_path):

@@ -4,9 +4,11 @@ them. Also the preflight of an external fleet (rollout.endpoints) against a real
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import requests
@@ -93,7 +95,7 @@ def test_rows_spread_over_the_replicas_and_weights_reach_both(fleet, replicas, p
             policy.model.norm.weight.div_(1.1)
 
 
-def test_an_external_fleet_is_checked_before_anything_trains(replicas, monkeypatch):
+def test_an_external_fleet_is_checked_before_anything_trains(replicas, model_dir, smollm2_dir, monkeypatch):
     url = replicas[0].url
     monkeypatch.delenv(REPLICA_KEY_ENV, raising=False)
     with pytest.raises(ConfigError, match=f"set {REPLICA_KEY_ENV} in the environment"):
@@ -103,6 +105,12 @@ def test_an_external_fleet_is_checked_before_anything_trains(replicas, monkeypat
         check_endpoints([url])
     monkeypatch.setenv(REPLICA_KEY_ENV, replicas[0].key)
     check_endpoints([url])
+    check_endpoints([url], model_dir)  # it serves the tiny model: its weights fit
+    with pytest.raises(ConfigError) as err:  # SmolLM2's would not: refused before any weight travels
+        check_endpoints([url], smollm2_dir)
+    assert str(err.value).startswith(f"rollout.endpoints: {url} serves another model than model.path={smollm2_dir}")
+    hidden = [json.loads((Path(d) / "config.json").read_text())["hidden_size"] for d in (model_dir, smollm2_dir)]
+    assert f"hidden_size {hidden[0]} != {hidden[1]}" in str(err.value) and "point rollout.endpoints" in str(err.value)
     with pytest.raises(ConfigError, match=r"rollout.endpoints: http://127.0.0.1:9 is unreachable"):
         check_endpoints([url, "http://127.0.0.1:9"], timeout_s=5)
 

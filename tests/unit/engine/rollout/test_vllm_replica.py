@@ -306,3 +306,13 @@ def test_the_trainer_leaves_the_replicas_cores_to_it_until_the_fleet_closes():
     assert affinities() == {frozenset(before)} and torch.get_num_threads() == len(before)
     torch.set_num_threads(threads)
     assert pin_trainer(None)() is None  # vLLM chooses its cores: nothing to pin
+
+
+def test_each_replica_gets_cores_of_its_own_from_the_last_ones_and_shares_when_there_are_too_few(monkeypatch):
+    from rlflow.engine.rollout.vllm_replica import replica_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert [replica_cores(2, i, 3) for i in range(3)] == ["6,7", "4,5", "2,3"]  # the trainer keeps 0 and 1
+    assert replica_cores(1) == "7" and replica_cores(None) is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert [replica_cores(1, i, 3) for i in range(3)] == ["1", "0", "1"]
