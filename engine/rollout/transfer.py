@@ -220,19 +220,26 @@ class FsspecChannel:
         self.written.clear()
 
 
-TRANSPORTS = ("shm", "gloo", "fsspec")
+def _fsspec(fingerprint: bool, timeout_s: float, gloo_host: str, url: str | None) -> FsspecChannel:
+    if not url:
+        raise ValueError("weight transport fsspec needs a folder both sides reach (rollout.weights_url)")
+    return FsspecChannel(url, fingerprint)
+
+
+# transport -> the trainer's channel, from (fingerprint, timeout_s, gloo_host, url)
+CHANNELS: dict[str, Callable[[bool, float, str, str | None], Any]] = {
+    "shm": lambda fingerprint, timeout_s, gloo_host, url: SharedMemoryChannel(fingerprint),
+    "gloo": lambda fingerprint, timeout_s, gloo_host, url: GlooChannel(gloo_host, fingerprint=fingerprint,
+                                                                        timeout_s=timeout_s),
+    "fsspec": _fsspec,
+}
+TRANSPORTS = tuple(CHANNELS)
 
 
 def make_channel(
     transport: str, *, fingerprint: bool, timeout_s: float, gloo_host: str = "127.0.0.1", url: str | None = None
 ):
-    """The trainer's channel of `transport` (one of TRANSPORTS); unknown ones list the valid ones."""
-    if transport == "shm":
-        return SharedMemoryChannel(fingerprint)
-    if transport == "gloo":
-        return GlooChannel(gloo_host, fingerprint=fingerprint, timeout_s=timeout_s)
-    if transport == "fsspec":
-        if not url:
-            raise ValueError("weight transport fsspec needs a folder both sides reach (rollout.weights_url)")
-        return FsspecChannel(url, fingerprint)
-    raise ValueError(f"unknown weight transport {transport!r}; use one of {list(TRANSPORTS)}")
+    """The trainer's channel of `transport` (a key of CHANNELS); unknown ones list the valid ones."""
+    if transport not in CHANNELS:
+        raise ValueError(f"unknown weight transport {transport!r}; use one of {list(TRANSPORTS)}")
+    return CHANNELS[transport](fingerprint, timeout_s, gloo_host, url)

@@ -124,3 +124,17 @@ def test_a_peer_that_never_answers_is_a_timeout_not_a_hang():
     with pytest.raises(Exception, match="(?i)timeout|timed out|within"):
         channel.attach(silent, 1024)
     assert time.monotonic() - started < 30
+
+
+def test_the_configs_transports_are_the_channels_and_an_unknown_one_lists_them():
+    import typing
+
+    from rlflow.engine.config.execution import RolloutConfig
+    from rlflow.engine.rollout.transfer import TRANSPORTS, make_channel
+
+    annotation = RolloutConfig.model_fields["transport"].annotation
+    assert set(typing.get_args(annotation)) == {"auto", *TRANSPORTS}
+    with pytest.raises(ValueError, match=r"unknown weight transport 'nccl'; use one of \['shm', 'gloo', 'fsspec'\]"):
+        make_channel("nccl", fingerprint=True, timeout_s=1)
+    with pytest.raises(ValueError, match="needs a folder both sides reach"):
+        make_channel("fsspec", fingerprint=True, timeout_s=1)
