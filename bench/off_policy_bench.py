@@ -5,7 +5,7 @@
 The workloads are bench/ppo_vs_trl.py's (PPO: SIZES' batches with a critic; GRPO: GRPO_SIZES' prompts x 4,
 the KL in the loss), on its assets. For each (size, algorithm) one worker process
 (bench/rlflow_off_policy_worker.py) runs rlflow's RL step in eight modes one after the other: sync_colocated
-(2 threads), sync_server (trainer and hf worker 2 threads each), off_policy (rollout.off_policy_steps 1, one
+(2 threads), sync_server (trainer and HF replica 2 threads each), off_policy (rollout.off_policy_steps 1, one
 core each: run.threads 1, rollout.threads 1), off_policy_shared (the trainer on 2 threads), async
 (rollout.async, max_staleness 1, partial rollouts, one core each), then the faster sync mode, off_policy and
 async again with a slow reward (a sleeping judge, half the faster sync mode's sampling time per batch). It

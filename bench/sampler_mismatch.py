@@ -2,7 +2,7 @@
 
     python bench/sampler_mismatch.py [--model DIR] [--prompts 64] [--new-tokens 32] [--temperature 1.0]
 
-Each sampler (the HF worker and a vLLM replica, each in float32 and bfloat16, one core each, in turn)
+Each sampler (the HF replica and a vLLM replica, each in float32 and bfloat16, one core each, in turn)
 samples the same chat prompts from the same weights; the fp32 trainer rescores every sampled token at
 the same temperature. Per sampler: rollout/logprob_diff_mean and _max (|trainer - sampler| in nats over
 the response tokens, what the sync guard checks), their 99th percentile, and rollout/mismatch_kl (the
@@ -63,13 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from vllm_bench import chat_prompts
+    from vllm_bench import chat_prompts, served
 
     from rlflow.engine.config.sampling import SamplingParams
     from rlflow.engine.models.loading import load_policy, load_tokenizer
     from rlflow.engine.rollout.replica import ReplicaClient
-    from rlflow.engine.rollout.server import RolloutClient
-    from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica, replica_cores
 
     torch.set_num_threads(1)
     tokenizer, policy = load_tokenizer(args.model), load_policy(args.model).eval()
@@ -78,18 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens}
     report |= {"temperature": args.temperature, "trainer_dtype": "float32", "samplers": {}}
     for backend, dtype in SAMPLERS:
-        if backend == "hf":
-            with RolloutClient.start("hf", args.model, dtype=dtype, threads=1, tokenizer=tokenizer) as hf:
-                generation = hf.generate(prompts, params, 0)
-        else:
-            options = VLLMOptions(dtype=dtype, cores=replica_cores(1))
-            replica = VLLMReplica.start(args.model, python=args.vllm_python, options=options)
-            try:
-                with ReplicaClient(replica.url, replica.key, tokenizer, on_failure=replica.failure) as vllm:
-                    vllm.update_weights(policy.named_parameters(), 256, version=0)
-                    generation = vllm.generate(prompts, params, 0)
-            finally:
-                replica.close()
+        with served(backend, args.model, dtype=dtype, vllm_python=args.vllm_python) as replica:
+            with ReplicaClient(replica.url, replica.key, tokenizer, on_failure=replica.failure) as client:
+                client.update_weights(policy.named_parameters(), 256, version=0)
+                generation = client.generate(prompts, params, 0)
         figures = gap(tokenizer, policy, prompts, generation, params)
         report["samplers"][f"{backend}_{dtype}"] = figures
         print(f"{backend:>4} {dtype:>8}: " + "  ".join(f"{k} {v:.3g}" for k, v in figures.items()), flush=True)

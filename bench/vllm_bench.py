@@ -1,22 +1,24 @@
-"""Sampling and weight sync: in-process decode, an HF worker and a vLLM replica, side by side (`make bench`).
+"""Sampling and weight sync: in-process decode, an HF replica and a vLLM replica, side by side (`make bench`).
 
     python bench/vllm_bench.py [--model DIR] [--prompts 32] [--new-tokens 32] [--repeats 3] [--out DIR]
 
 On one model (default: SmolLM2-135M-Instruct, models/smollm2-135m-instruct, `make bench` imports it),
 each sampler gets one core (torch threads 1; the replica bound to the last core) and samples the same
 chat prompts, `--repeats` times after a warm-up; then each takes `--repeats` weight updates of the whole
-model (256 MB buckets, fingerprint included). Samplers in turn, never two at once. Prints tokens/s and
-seconds per sync (medians), writes bench/results/vllm-<UTC time>.json, and last
+model (256 MB buckets, fingerprint included) through each channel. Samplers in turn, never two at once.
+Prints tokens/s and seconds per sync (medians), writes bench/results/vllm-<UTC time>.json, and last
     RESULT vllm_vs_inprocess_tok_s=<ratio> hf_vs_inprocess_tok_s=<ratio> sync_s_vllm=<s> sync_s_vllm_gloo=<s>
-           sync_s_vllm_fsspec=<s> sync_s_hf=<s>
-(sync_s_vllm: shared memory; sync_s_vllm_gloo: the gloo group over loopback, the path a replica on another host
-takes; sync_s_vllm_fsspec: safetensors files on this machine's disk, the path of a replica sharing only storage)
+           sync_s_vllm_fsspec=<s> sync_s_hf=<s> sync_s_hf_gloo=<s> sync_s_hf_fsspec=<s>
+(sync_s_<backend>: shared memory; sync_s_<backend>_gloo: the gloo group over loopback, the path a replica on
+another host takes; sync_s_<backend>_fsspec: safetensors files on this machine's disk, the path of a replica
+sharing only storage)
 Tokens differ between samplers (other kernels, other RNG), so tokens/s counts the tokens each sampled.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -24,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -49,6 +52,23 @@ def timed_samples(sample, repeats: int) -> list[float]:
         tokens = sample()
         rates.append(tokens / (time.perf_counter() - started))
     return rates
+
+
+@contextlib.contextmanager
+def served(backend: str, model: str, *, dtype: str = "float32", vllm_python: str = "") -> Iterator:
+    """A replica of `model` on one core: rlflow's HF replica (one torch thread) or vLLM's server (bound
+    to the last core); stopped on exit."""
+    from rlflow.engine.rollout.replicas import replica_cores, start_hf_replica
+    from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica
+
+    if backend == "hf":
+        replica = start_hf_replica(model, dtype=dtype, threads=1)
+    else:
+        replica = VLLMReplica.start(model, python=vllm_python, options=VLLMOptions(dtype=dtype, cores=replica_cores(1)))
+    try:
+        yield replica
+    finally:
+        replica.close()
 
 
 def timed_syncs(client, policy, repeats: int) -> list[float]:
@@ -77,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     from rlflow.engine.models.loading import load_policy, load_tokenizer
     from rlflow.engine.rollout.generate import generate_rollouts
     from rlflow.engine.rollout.replica import ReplicaClient
-    from rlflow.engine.rollout.server import RolloutClient
-    from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica, replica_cores
 
     torch.set_num_threads(1)
     tokenizer, policy = load_tokenizer(args.model), load_policy(args.model).eval()
@@ -91,24 +109,19 @@ def main(argv: list[str] | None = None) -> int:
             return int(generate_rollouts(policy, tokenizer, prompts, params, seed=0).response_mask.sum())
 
     report["inprocess_tok_s"] = timed_samples(inprocess, args.repeats)
-    with RolloutClient.start("hf", args.model, threads=1, tokenizer=tokenizer) as hf:
-        report["hf_tok_s"] = timed_samples(lambda: counted(hf.generate(prompts, params, 0)), args.repeats)
-        report["hf_sync_s"] = timed_syncs(hf, policy, args.repeats)
-    options = VLLMOptions(cores=replica_cores(1))
-    replica = VLLMReplica.start(args.model, python=args.vllm_python, options=options)
-    try:
-        with ReplicaClient(replica.url, replica.key, tokenizer, on_failure=replica.failure) as vllm:
-            vllm.update_weights(policy.named_parameters(), 256, version=0)
-            report["vllm_tok_s"] = timed_samples(lambda: counted(vllm.generate(prompts, params, 0)), args.repeats)
-            report["vllm_sync_s"] = timed_syncs(vllm, policy, args.repeats)
-        with ReplicaClient(replica.url, replica.key, tokenizer, transport="gloo", run_tag="rlflow") as gloo:
-            report["vllm_gloo_sync_s"] = timed_syncs(gloo, policy, args.repeats)  # loopback: the cross-host path
-        with tempfile.TemporaryDirectory(prefix="rlflow-weights-") as folder:  # this disk, as a shared one
-            url = f"file://{folder}"
-            with ReplicaClient(replica.url, replica.key, tokenizer, transport="fsspec", weights_url=url) as files:
-                report["vllm_fsspec_sync_s"] = timed_syncs(files, policy, args.repeats)
-    finally:
-        replica.close()
+    for backend in ("hf", "vllm"):
+        with served(backend, args.model, vllm_python=args.vllm_python) as replica:
+            with ReplicaClient(replica.url, replica.key, tokenizer, on_failure=replica.failure) as shm:
+                shm.update_weights(policy.named_parameters(), 256, version=0)
+                report[f"{backend}_tok_s"] = timed_samples(lambda: counted(shm.generate(prompts, params, 0)),
+                                                           args.repeats)  # fmt: skip
+                report[f"{backend}_sync_s"] = timed_syncs(shm, policy, args.repeats)
+            with ReplicaClient(replica.url, replica.key, tokenizer, transport="gloo") as gloo:
+                report[f"{backend}_gloo_sync_s"] = timed_syncs(gloo, policy, args.repeats)  # the cross-host path
+            with tempfile.TemporaryDirectory(prefix="rlflow-weights-") as folder:  # this disk, as a shared one
+                url = f"file://{folder}"
+                with ReplicaClient(replica.url, replica.key, tokenizer, transport="fsspec", weights_url=url) as files:
+                    report[f"{backend}_fsspec_sync_s"] = timed_syncs(files, policy, args.repeats)
 
     medians = {key: statistics.median(values) for key, values in report.items() if isinstance(values, list)}
     for key, value in medians.items():
@@ -122,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         f" hf_vs_inprocess_tok_s={medians['hf_tok_s'] / base:.3g}"
         f" sync_s_vllm={medians['vllm_sync_s']:.3g} sync_s_vllm_gloo={medians['vllm_gloo_sync_s']:.3g}"
         f" sync_s_vllm_fsspec={medians['vllm_fsspec_sync_s']:.3g}"
-        f" sync_s_hf={medians['hf_sync_s']:.3g}"
+        f" sync_s_hf={medians['hf_sync_s']:.3g} sync_s_hf_gloo={medians['hf_gloo_sync_s']:.3g}"
+        f" sync_s_hf_fsspec={medians['hf_fsspec_sync_s']:.3g}"
     )
     return 0
 

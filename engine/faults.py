@@ -32,7 +32,7 @@ EVENTS = {
     "reward_error": "PPO: the reward source raises RewardSourceError at scoring",
     "batch_received": "PPO: the step's batch sampled and scored, no update yet",
     "weight_sync": "PPO, rollout.mode server: the first tensor of the actor's weights sent to the worker",
-    "generate": "the rollout worker (stage 'rollout', n: its n-th generate request), before sampling",
+    "generate": "the HF rollout replica (stage 'rollout', n: its n-th batch), before sampling",
     "replica_kill": "vLLM replicas (stage 'rollout', n: the fleet's n-th generate call): the replicas rlflow"
     " started are SIGKILLed, then the rows are sent",
     "nonfinite": "the step's loss becomes NaN",

@@ -35,10 +35,10 @@ class DistributedJobError(RlflowError):
         self.tail = tail or []  # the failing rank's last log lines (also in the message)
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS may hand it out again later)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (the OS may hand it out again later)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -187,10 +187,11 @@ class RolloutConfig(Section):
     """Where responses are sampled, and how the sampler's weights are kept in step with training."""
 
     mode: Literal["colocated", "server"] = "colocated"
-    """colocated: the trainer samples with its own policy; server: a separate worker process samples and
-    gets the actor's weights after every step."""
+    """colocated: the trainer samples with its own policy; server: rollout replicas (HTTP servers of their
+    own) sample and get the actor's weights after every step."""
     server_backend: Literal["hf", "vllm"] = "hf"
-    """The worker of mode server: transformers (hf) or vLLM."""
+    """The replicas of mode server: rlflow's transformers replica (hf: one, sampling bit for bit what
+    colocated generation would) or vLLM's server (vllm). Both speak the same routes (docs/replicas.md)."""
     generate_batch: int = Field(32, ge=1)
     """Sequences sampled together under one seed (world-size independent)."""
     n: int = Field(1, ge=1, le=1024)
@@ -208,7 +209,7 @@ class RolloutConfig(Section):
     """Fully asynchronous sampling (mode server only): the worker samples continuously into a buffer
     the trainer takes each step's groups from, and weights go to it without waiting for the samples
     in flight. Unlike off_policy_steps, timing decides which version samples what, so a resumed run
-    continues rather than repeats (docs/rollout-protocol.md)."""
+    continues rather than repeats (docs/replicas.md)."""
     max_staleness: int = Field(1, ge=0, le=64)
     """With async: the most versions a trained sample may lag the trainer's policy; the worker starts
     no sample that could exceed it, and one that would (after a resume with a lower bound) is dropped
@@ -220,8 +221,8 @@ class RolloutConfig(Section):
     threads: Annotated[int | None, neutral("a thread count (it may change a continued run's last digits)")] = Field(
         None, ge=1
     )
-    """torch CPU threads of the worker process; None: the trainer's count (on a CPU machine, give
-    each side its own cores with run.threads and rollout.threads)."""
+    """CPU threads of each replica: hf, its torch threads (None: the trainer's count, so both compute
+    alike); vllm, cores of its own, which the trainer leaves to it (None: vLLM's choice)."""
     probe_rows: Annotated[int, neutral(SYNC_GUARD)] = Field(4, ge=1)
     """Rows the worker samples, and the trainer rescores, right after each weight sync when
     off_policy_steps > 0 or async (the guard compares both under the same version). At 0 the log-probs of
@@ -243,7 +244,7 @@ class RolloutConfig(Section):
     reachable before the stage trains, and sends them weights over gloo (rollout.trainer_address). Their
     API key comes from the environment variable RLFLOW_REPLICA_API_KEY, never from the config."""
     transport: Annotated[Literal["auto", "shm", "gloo", "fsspec"], neutral(TRANSPORT)] = "auto"
-    """How weights reach vLLM replicas. auto: shm (shared memory) for the replicas rlflow starts, gloo
+    """How weights reach the replicas. auto: shm (shared memory) for the replicas rlflow starts, gloo
     for rollout.endpoints; fsspec: safetensors files in rollout.weights_url, for replicas that share
     storage with the trainer but no network group."""
     weights_url: Annotated[str | None, neutral(TRANSPORT)] = None
@@ -254,8 +255,8 @@ class RolloutConfig(Section):
     startup_timeout_s: Annotated[float, neutral("a time limit of the worker's start")] = Field(300.0, gt=0)
     """How long the rollout worker may take to become ready, in seconds."""
     response_timeout_s: Annotated[float, neutral("a time limit of the worker's replies")] = Field(1800.0, gt=0)
-    """Longest wait for one reply of the running worker (a batch's samples, a weight bucket), in
-    seconds; a worker alive but silent that long is killed and the run stops with an error naming it."""
+    """Longest wait for one answer of a replica (a row's samples, a weight bucket), in seconds; a request
+    unanswered that long stops the run (or drops the replica from a fleet) with an error naming it."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> RolloutConfig:
@@ -286,10 +287,10 @@ class RolloutConfig(Section):
     def _check_transport(self) -> None:
         from rlflow.engine.config.secrets import redact_url
 
-        if self.transport != "auto" and (self.mode, self.server_backend) != ("server", "vllm"):
+        if self.transport != "auto" and self.mode != "server":
             raise ValueError(
-                f"rollout.transport={self.transport} moves weights to vLLM replicas: it needs rollout.mode=server"
-                f" and rollout.server_backend=vllm (got {self.mode}, {self.server_backend}); or leave it auto"
+                f"rollout.transport={self.transport} moves weights to rollout replicas: it needs rollout.mode=server"
+                f" (got {self.mode}); or leave it auto"
             )
         if self.transport == "shm" and self.endpoints:
             raise ValueError(

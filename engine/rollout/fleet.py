@@ -22,11 +22,11 @@ import torch
 
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.faults import armed
-from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.replica import (
     MAX_PARALLEL_ROWS,
     ReplicaClient,
     ReplicaError,
+    RowBatch,
     RowRequests,
     SyncStats,
     push_weights,
@@ -44,8 +44,6 @@ class ReplicaFleet:
         self.dead: dict[str, str] = {}  # replica name -> why it was dropped
         self._rows = RowRequests(MAX_PARALLEL_ROWS * len(self.clients), "rollout fleet")
         self._lock = threading.Lock()
-        self.concurrent = False
-        self.worker_idle_s = 0.0
         self.generations = 0  # generate calls so far (RLFLOW_FAULT rollout:replica_kill:<n>)
 
     @property
@@ -65,13 +63,14 @@ class ReplicaFleet:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> Any:
         return self.collect(self.submit(prompts, params, seed))
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, **_: Any) -> int:
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, *, priority: bool = False
+    ) -> int:
         self.generations += 1
         if armed("rollout", "replica_kill", self.generations):  # the fault tests' replicas dying mid-step
             for client in self.clients:
                 client.kill()
-        stops = [int(t) for t in stop_token_ids(self.tokenizer)]
-        return self._rows.submit(self._row, prompts, params, seed, stops)
+        return self._rows.submit(self._row, prompts, params, seed, self.tokenizer, priority)
 
     @property
     def outstanding(self) -> int:
@@ -80,7 +79,7 @@ class ReplicaFleet:
     def collect(self, request_id: int | None = None) -> Any:
         return self._rows.collect(request_id)
 
-    def _row(self, index: int, prompt: list[int], params: SamplingParams, seed: int, stops: list[int]) -> Any:
+    def _row(self, index: int, prompt: list[int], batch: RowBatch) -> Any:
         while True:
             live = self.live
             if not live:  # whichever row's thread dropped them, every row's error names them all
@@ -88,7 +87,8 @@ class ReplicaFleet:
                 raise ReplicaError(f"rollout fleet: no replica left ({', '.join(self.dead)}); {why}")
             client = live[index % len(live)]
             try:
-                return client._generate_row(index, prompt, params, seed, stops)
+                # a batch spread over several replicas is no replica's batch: each row samples alone
+                return client._generate_row(index, prompt, batch, hint=len(self.clients) == 1)
             except ReplicaError as exc:
                 if client.health():
                     raise  # it answers: a refusal or a malformed answer, not a dead replica
@@ -101,20 +101,23 @@ class ReplicaFleet:
             self.dead[client.name] = why
         log.warning("rollout replica %s dropped from the fleet, its rows go to the others: %s", client.name, why)
 
+    def idle_s(self) -> float | None:
+        """Seconds the live replicas have had nothing to sample, summed; None unless all of them say."""
+        idle = [c.idle_s() for c in self.live]
+        return None if None in idle else sum(idle)
+
     # --- weights ---------------------------------------------------------------------------------
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256, *, version: int | None = None,
-        **_: Any,
+        meanwhile: Callable[[], None] | None = None,
     ) -> SyncStats:
         """Every live replica gets the weights (a replica that dies during the update fails it: the
-        stage stops, naming it; its rows were already served by the others)."""
-        return push_weights(self.live, named_tensors, bucket_mb, version)
+        stage stops, naming it; its rows were already served by the others). `meanwhile`: push_weights'."""
+        return push_weights(self.live, named_tensors, bucket_mb, version, meanwhile=meanwhile)
 
-    def fingerprint(self, meanwhile: Callable[[], None] | None = None) -> str:
+    def fingerprint(self) -> str:
         """The replicas' common fingerprint; if they differ, all of them (the guard then fails naming them)."""
-        if meanwhile is not None:
-            meanwhile()
         prints = {c.name: c.fingerprint() for c in self.live}
         if len(set(prints.values())) == 1:
             return next(iter(prints.values()))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.rollout.worker_samples import Generation
+from rlflow.engine.rollout.replica import Generation
 from rlflow.engine.seeds import step_seed
 
 # (chunk index, prompts, seed): one generate request of a step
@@ -87,7 +87,7 @@ class Lookahead:
 
     def __init__(
         self,
-        client: Any,  # engine/rollout/server.py RolloutClient
+        client: Any,  # the ReplicaFleet (engine/rollout/replicas.py)
         k: int,
         plan: Callable[[int], StepPlan],
         last_step: int,

@@ -24,12 +24,13 @@ A replica's engine serves the trainer that attached last.
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 import torch
@@ -45,6 +46,16 @@ from rlflow.engine.rollout.weight_sync import DTYPES, Bucket, iter_buckets
 MB = 1 << 20
 TRANSFER_BACKEND = "rlflow"  # engine/rollout/vllm_transfer.py registers it under this name
 MAX_PARALLEL_ROWS = 64  # rows in flight per replica; the server batches what arrives together
+
+
+class Generation(NamedTuple):
+    """A replica's samples, one entry per prompt; each response ends at its EOS (kept) or the length limit."""
+
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]  # log softmax(logits / T) of each sampled token, by the replica
+    # the policy version that sampled each token (several in a row a partial rollout continued
+    # across weight updates); None where the reply did not say
+    versions: list[list[int]] | None = None
 
 
 class ReplicaError(RlflowError):
@@ -73,30 +84,52 @@ def version_label(run_tag: str, version: int) -> str:
     return f"{run_tag}:{version}"
 
 
+@dataclass(frozen=True)
+class RowBatch:
+    """What the rows of one generate call share. Each row samples with its own seed (row_seed); an
+    HF replica, told the batch (`hint`), samples all its rows together with `seed` instead, exactly as
+    colocated generation samples that chunk. vLLM ignores the hint."""
+
+    id: str
+    rows: int
+    params: SamplingParams
+    seed: int
+    stops: tuple[int, ...]
+    pad: int
+    priority: bool = False  # the sync probe: sampled before the batches waiting (HF replica)
+
+    def hint(self, row: int) -> dict[str, Any]:
+        return {"batch": self.id, "rows": self.rows, "row": row, "seed": self.seed, "pad": self.pad,
+                "priority": self.priority}  # fmt: skip
+
+
 class RowRequests:
     """Generations sent row by row on a thread pool and collected whole: a sampler's submit/collect.
-    `row(index, prompt, params, seed, stops)` samples one row and returns (ids, log-probs, versions)."""
+    `row(index, prompt, batch)` samples one row and returns (ids, log-probs, versions)."""
 
     def __init__(self, workers: int, name: str):
         self.name = name
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix=f"rows-{name}")
         self.pending: dict[int, list[Future]] = {}
         self.next_id = 0
+        self.prefix = secrets.token_hex(4)  # batch ids unique across clients of one replica
         self.lock = threading.Lock()
 
-    def submit(self, row: Callable[..., Any], prompts: Sequence[Sequence[int]], params: Any, seed: int, stops) -> int:
-        futures = [
-            self.pool.submit(row, i, [int(t) for t in prompt], params, row_seed(seed, i), stops)
-            for i, prompt in enumerate(prompts)
-        ]
+    def submit(
+        self, row: Callable[..., Any], prompts: Sequence[Sequence[int]], params: Any, seed: int, tokenizer: Any,
+        priority: bool = False,
+    ) -> int:
+        stops = tuple(int(t) for t in stop_token_ids(tokenizer))
         with self.lock:
             request_id, self.next_id = self.next_id, self.next_id + 1
-            self.pending[request_id] = futures
+            batch = RowBatch(f"{self.prefix}-{request_id}", len(prompts), params, int(seed), stops,
+                             int(tokenizer.pad_token_id), priority)  # fmt: skip
+            self.pending[request_id] = [
+                self.pool.submit(row, i, [int(t) for t in prompt], batch) for i, prompt in enumerate(prompts)
+            ]
         return request_id
 
-    def collect(self, request_id: int | None = None) -> Any:
-        from rlflow.engine.rollout.worker_samples import Generation
-
+    def collect(self, request_id: int | None = None) -> Generation:
         with self.lock:
             if not self.pending:
                 raise ReplicaError(f"{self.name}: collect() with no request outstanding")
@@ -148,8 +181,6 @@ class ReplicaClient:
         self.on_kill = on_kill  # SIGKILLs it (fault tests)
         self.pause_mode = pause_mode  # how an update treats generations in flight: wait, or keep (partial rollouts)
         self.dtype = torch.float32  # the replica's weight dtype, from its transfer engine's report
-        self.concurrent = False  # kept for the RolloutClient interface: HTTP requests never block each other
-        self.worker_idle_s = 0.0
 
     # --- HTTP ------------------------------------------------------------------------------------
 
@@ -181,25 +212,27 @@ class ReplicaClient:
         except requests.RequestException:
             return False
 
-    def running(self) -> int:
-        """Generations its engine is sampling now (the vllm:num_requests_running gauge of GET /metrics)."""
+    def gauge(self, name: str) -> float | None:
+        """The sum of a GET /metrics series (e.g. vllm:num_requests_running, rlflow:idle_seconds_total);
+        None where the replica does not report it."""
         response = self._session.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout_s)
-        values = [
-            line.rsplit(" ", 1)[-1]
-            for line in response.text.splitlines()
-            if line.startswith("vllm:num_requests_running")
-        ]
-        return int(sum(float(v) for v in values))
+        values = [line.rsplit(" ", 1)[-1] for line in response.text.splitlines() if line.startswith(name)]
+        return sum(float(v) for v in values) if values else None
+
+    def idle_s(self) -> float | None:
+        """Seconds the replica has had nothing to sample (the HF replica says; vLLM does not: None)."""
+        return self.gauge("rlflow:idle_seconds_total")
 
     # --- sampling --------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> Any:
         return self.collect(self.submit(prompts, params, seed))
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, **_: Any) -> int:
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, *, priority: bool = False
+    ) -> int:
         """Send one request per row and return at once; `collect` waits for them."""
-        stops = [int(t) for t in stop_token_ids(self.tokenizer)]
-        return self._rows.submit(self._generate_row, prompts, params, seed, stops)
+        return self._rows.submit(self._generate_row, prompts, params, seed, self.tokenizer, priority)
 
     @property
     def outstanding(self) -> int:
@@ -208,19 +241,21 @@ class ReplicaClient:
     def collect(self, request_id: int | None = None) -> Any:
         return self._rows.collect(request_id)
 
-    def _generate_row(
-        self, index: int, prompt: list[int], params: SamplingParams, seed: int, stops: list[int]
-    ) -> tuple[list[int], list[float], list[int]]:
+    def _generate_row(self, index: int, prompt: list[int], batch: RowBatch, hint: bool = True):
+        """One row: (ids, log-probs, per-token versions). `hint`: tell the replica the row's batch."""
+        params = batch.params
         sampling = {
             "temperature": params.temperature,
             "top_p": params.top_p,
             "max_tokens": params.max_new_tokens,
-            "seed": seed,
+            "seed": row_seed(batch.seed, index),
             "logprobs": 0,
-            "stop_token_ids": stops,
+            "stop_token_ids": list(batch.stops),
             "detokenize": False,
         }
-        reply = self._call("POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": sampling})
+        body = {"token_ids": prompt, "sampling_params": sampling}
+        body |= {"rlflow_batch": batch.hint(index)} if hint else {}
+        reply = self._call("POST", "/inference/v1/generate", body)
         return self._parse_row(reply, params.max_new_tokens)
 
     def _parse_row(self, reply: dict[str, Any], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
@@ -289,11 +324,11 @@ class ReplicaClient:
         *,
         version: int | None = None,
         pause_mode: str | None = None,
-        **_: Any,
+        meanwhile: Callable[[], None] | None = None,
     ) -> SyncStats:
         """Pause (`pause_mode`, default this client's), start / update per bucket / finish through the
-        transfer engine, record the version, resume."""
-        return push_weights([self], named_tensors, bucket_mb, version, pause_mode)
+        transfer engine, record the version, resume (push_weights; `meanwhile` runs during the finish)."""
+        return push_weights([self], named_tensors, bucket_mb, version, pause_mode, meanwhile)
 
     def begin_update(self, pause_mode: str | None = None) -> None:
         self.pause(pause_mode or self.pause_mode)
@@ -328,10 +363,8 @@ class ReplicaClient:
         except ReplicaError:
             pass
 
-    def fingerprint(self, meanwhile: Callable[[], None] | None = None) -> str:
-        """The fingerprint of the weights the replica loaded in its last update (computed while it loaded)."""
-        if meanwhile is not None:
-            meanwhile()
+    def fingerprint(self) -> str:
+        """The fingerprint of the weights the replica loaded in its last update (its finish's report)."""
         if "fingerprint" not in self._report:
             self._fail("fingerprint() before any weight update")
         return str(self._report["fingerprint"])
@@ -362,9 +395,12 @@ def push_weights(
     bucket_mb: float,
     version: int | None,
     pause_mode: str | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> SyncStats:
     """One weight update of several replicas: the tensors are iterated once (under ZeRO-3 each is a
-    gather) and each bucket goes to every replica in turn; then each finishes and resumes."""
+    gather) and each bucket goes to every replica in turn; then each finishes and resumes.
+    `meanwhile` runs on this thread while the replicas finish (they fingerprint what they loaded): the
+    trainer hashes its own weights then, so a guarded sync costs one hash of the weights, not two."""
     started = time.monotonic()
     bucket_bytes = max(1, int(bucket_mb * MB))
     buckets = tensors = sent = 0
@@ -382,8 +418,25 @@ def push_weights(
         for client in begun:
             client.abort_update()
         raise
-    for client in clients:
-        client.end_update(version)
+    failures: list[BaseException] = []
+
+    def finish(client: ReplicaClient) -> None:
+        try:
+            client.end_update(version)
+        except BaseException as exc:  # re-raised below, on the caller's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=finish, args=(c,), name=f"finish-{c.name}", daemon=True) for c in clients]
+    for thread in threads:
+        thread.start()
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:  # every call is bounded by the client's timeout
+        for thread in threads:
+            thread.join()
+    if failures:
+        raise failures[0]
     seconds = time.monotonic() - started
     transport = "+".join(sorted({c.channel.transport for c in clients}))
     return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, transport)

@@ -1,12 +1,10 @@
-"""The worker's samples as the trainer's batches, and the guard that a weight sync arrived.
+"""A replica's samples as the trainer's batches.
 
     generation = client.generate(prompts, params, seed)
     batch = build_rollout_batch(tokenizer, prompts, generation, params.max_new_tokens)
-    ...optimizer step, client.update_weights(...)...
-    probe_weight_sync(client, policy, batch, params.temperature, probe_rows=4, ...)
 
-Kept apart from engine/rollout/server.py (the process, its socket and its requests): this side
-knows tokenizers, masks and the trainer's policy, the client knows none of them.
+Kept apart from engine/rollout/replica.py (the replica's client and its requests): this side
+knows masks and the trainer's policy, the client knows none of them.
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ from typing import Any
 import torch
 from rlflow.engine.data.batching import left_pad
 from rlflow.engine.models.tokens import response_mask_from_ids, stop_token_ids
-from rlflow.engine.rollout.generate import RolloutBatch, batched_logprobs
-from rlflow.engine.rollout.server import RolloutClient, RolloutWorkerError
-from rlflow.engine.rollout.worker_samples import Generation
-from rlflow.engine.rollout.weight_sync import SyncCheck, check_weight_sync, weights_fingerprint
+from rlflow.engine.rollout.generate import RolloutBatch
+from rlflow.engine.rollout.replica import ReplicaError
+from rlflow.engine.rollout.replica import Generation
 
 
 def build_rollout_batch(
@@ -45,9 +42,10 @@ def build_rollout_batch(
     response = torch.full((len(response_ids), width), pad, dtype=torch.long)
     for i, row in enumerate(response_ids):
         if len(row) < max_new_tokens and (not row or row[-1] not in stops):
-            raise RolloutWorkerError(
-                f"rollout worker returned a {len(row)}-token response without EOS (max_new_tokens={max_new_tokens});"
-                " the worker's stop condition differs from the trainer's: check the model's eos_token_id"
+            raise ReplicaError(
+                f"the rollout replica returned a {len(row)}-token response without EOS"
+                f" (max_new_tokens={max_new_tokens});"
+                " the replica's stop condition differs from the trainer's: check the model's eos_token_id"
             )
         response[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
     mask = response_mask_from_ids(response, stops)
@@ -73,39 +71,3 @@ def _row_versions(generation: Generation, version: int | None) -> torch.Tensor |
     if generation.versions is None:
         return None
     return torch.tensor([min(row) for row in generation.versions], dtype=torch.long)
-
-
-def probe_weight_sync(
-    client: RolloutClient,
-    policy: torch.nn.Module,
-    batch: RolloutBatch,
-    temperature: float,
-    *,
-    probe_rows: int,
-    max_logprob_diff: float,
-    check_fingerprint: bool,
-) -> SyncCheck:
-    """The post-sync guard on a batch the worker just sampled (WeightSyncError when out of sync).
-
-    Recomputes the first `probe_rows` rows' log-probs [probe_rows, R] with the trainer's policy and
-    compares them to the worker's (the batch's sampled_logprobs); if `check_fingerprint`, also
-    compares weight fingerprints.
-    """
-    index = torch.arange(min(probe_rows, batch.input_ids.shape[0]))
-    rows = batch.rows(index)
-    trainer_logprobs = batched_logprobs(policy, rows, temperature)
-    trainer_fp: list[str] = []
-    worker_fp = None
-    if check_fingerprint:  # the trainer hashes its weights while the worker hashes its own
-        worker_fp = client.fingerprint(
-            meanwhile=lambda: trainer_fp.append(weights_fingerprint(policy.named_parameters(), round_to=client.dtype))
-        )
-    return check_weight_sync(
-        trainer_fp[0] if trainer_fp else None,
-        worker_fp,
-        trainer_logprobs,
-        rows.sampled_logprobs * rows.response_mask,
-        rows.response_mask,
-        max_logprob_diff,
-        check_fingerprint,
-    )

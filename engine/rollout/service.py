@@ -38,7 +38,7 @@ from rlflow.engine.rollout.weight_sync import check_weight_sync, weights_fingerp
 @dataclass
 class RolloutService:
     cfg: RolloutConfig
-    client: Any = None  # RolloutClient on rank 0, None elsewhere
+    client: Any = None  # the ReplicaFleet (engine/rollout/replicas.py) on rank 0, None elsewhere
     tokenizer: Any = None
     trainer_fingerprint: str | None = None  # at the last sync (rank 0)
     worker_fingerprint: str | None = None
@@ -47,7 +47,7 @@ class RolloutService:
     stream: AsyncSampler | None = None  # rollout.async, rank 0: the continuous stream
     version: int = 0  # the policy version the worker holds (completed training steps)
     taken: tuple[int, SampledStep | TakenGroups] | None = None  # the last step's samples (a step run again reuses them)
-    worker_idle_s: float = 0.0  # the worker's idle seconds, cumulative, at the last report
+    worker_idle_s: float | None = None  # the replicas' idle seconds, cumulative, at the last report
     probe: tuple[list, SamplingParams] | None = None  # off-policy: the probe sent after the last sync
     probe_id: int | None = None  # async: its request id
     probe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # its check's figures
@@ -68,31 +68,17 @@ class RolloutService:
         cfg.off_policy_steps > 0, `ahead` says what each step samples and where the run stands.
         A collective under ZeRO-3."""
         client = None
-        if dist.is_main() and cfg.server_backend == "vllm":
-            from rlflow.engine.rollout.vllm_replica import start_vllm_sampler
+        if dist.is_main():
+            from rlflow.engine.rollout.replicas import start_sampler
 
-            client = start_vllm_sampler(cfg, model_dir, tokenizer, log_path, cuda_visible_devices)
-        elif dist.is_main():
-            from rlflow.engine.rollout.server import RolloutClient
-
-            client = RolloutClient.start(
-                cfg.server_backend,
-                model_dir,
-                startup_timeout_s=cfg.startup_timeout_s,
-                dtype=cfg.dtype,
-                threads=cfg.threads,
-                response_timeout_s=cfg.response_timeout_s,
-                tokenizer=tokenizer,
-                log_path=log_path,
-                cuda_visible_devices=cuda_visible_devices,
-            )
+            client = start_sampler(cfg, model_dir, tokenizer, log_path, cuda_visible_devices)
         service = cls(cfg, client, tokenizer)
+        service.worker_idle_s = client.idle_s() if client is not None else None
         if cfg.samples_ahead:
             if ahead is None:
                 raise ValueError("rollout.off_policy_steps > 0 and rollout.async need the step plan (AheadStart)")
             service.plan, service.version = ahead.plan, ahead.version
             if client is not None and cfg.async_:
-                client.concurrent = True
                 shape = GroupShape(cfg.n, ahead.batch_groups, max(1, cfg.generate_batch // cfg.n))
                 params, S = ahead.plan(1).params, cfg.max_staleness
                 state = ahead.buffer.get("async")
@@ -122,7 +108,7 @@ class RolloutService:
         the samples are the lookahead's for `step` (sampled to the same plan, by an older version);
         asynchronously, those of the groups `take_groups(step)` took (each row as old as its oldest token)."""
         from rlflow.engine.rollout.served import build_rollout_batch
-        from rlflow.engine.rollout.worker_samples import Generation
+        from rlflow.engine.rollout.replica import Generation
 
         if self.cfg.async_:  # the groups take_groups(step) took, cut as the chunks cut their prompts
             taken, starts = self.taken[1], [0, *itertools.accumulate(len(p) for _, p, _ in chunks)]
@@ -225,15 +211,16 @@ class RolloutService:
                 for _ in actor.named_full_parameters():
                     pass
         else:
-            stats = self.client.update_weights(params, self.cfg.bucket_mb, version=version)
+
+            def own() -> None:  # the trainer hashes its weights while the replicas hash theirs
+                params, dtype = actor.named_full_parameters(), self.client.dtype
+                self.trainer_fingerprint = weights_fingerprint(params, round_to=dtype)
+
+            meanwhile = own if self.cfg.check_fingerprint else None
+            stats = self.client.update_weights(params, self.cfg.bucket_mb, version=version, meanwhile=meanwhile)
             metrics |= {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
             if self.cfg.check_fingerprint:
-
-                def own() -> None:  # the trainer hashes its weights while the worker hashes its own
-                    params, dtype = actor.named_full_parameters(), self.client.dtype
-                    self.trainer_fingerprint = weights_fingerprint(params, round_to=dtype)
-
-                self.worker_fingerprint = self.client.fingerprint(meanwhile=own)
+                self.worker_fingerprint = self.client.fingerprint()
         self.version = version
         if self.lookahead is not None:
             self.lookahead.version = version
@@ -264,7 +251,7 @@ class RolloutService:
         WeightSyncError; returns rollout/logprob_diff_mean and _max (the same again if the step runs
         again) and times timing_s/sync_probe. Synchronous: nothing (every batch is checked)."""
         from rlflow.engine.rollout.served import build_rollout_batch
-        from rlflow.engine.rollout.worker_samples import Generation
+        from rlflow.engine.rollout.replica import Generation
 
         if self.probe is None:
             return dict(self.probe_metrics)
@@ -291,11 +278,14 @@ class RolloutService:
         return dict(self.probe_metrics)
 
     def idle_metrics(self) -> dict[str, float]:
-        """timing_s/wait_train: seconds the worker sat idle since the last call (rank 0's view)."""
+        """timing_s/wait_train: seconds the replicas sat idle since the last call (rank 0's view; only
+        replicas that report it: the HF replica)."""
         if self.client is None:
             return {}
-        idle, self.worker_idle_s = self.client.worker_idle_s - self.worker_idle_s, self.client.worker_idle_s
-        return {"timing_s/wait_train": idle}
+        before, self.worker_idle_s = self.worker_idle_s, self.client.idle_s()
+        if before is None or self.worker_idle_s is None:
+            return {}
+        return {"timing_s/wait_train": self.worker_idle_s - before}
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (rank 0): the samples of every step not yet trained on, the one

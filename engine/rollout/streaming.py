@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.rollout.worker_samples import Generation
+from rlflow.engine.rollout.replica import Generation
 from rlflow.engine.seeds import step_seed
 
 FATES = ("trained", "dropped", "discarded")  # what became of each group before the stream position
@@ -85,7 +85,7 @@ class AsyncSampler:
 
     def __init__(
         self,
-        client: Any,  # engine/rollout/server.py RolloutClient, concurrent
+        client: Any,  # the ReplicaFleet (engine/rollout/replicas.py)
         prompt_of: Callable[[int], Sequence[int]],
         params: SamplingParams,
         shape: GroupShape,
@@ -122,9 +122,7 @@ class AsyncSampler:
         while room > 0:
             groups = list(range(self.next_group, self.next_group + min(room, self.shape.per_request)))
             prompts = [self.prompt_of(g) for g in groups for _ in range(self.shape.size)]
-            request = self.client.submit(
-                prompts, self.params, step_seed(self.seed, groups[0]), interruptible=self.partial
-            )
+            request = self.client.submit(prompts, self.params, step_seed(self.seed, groups[0]))
             self.inflight.append((request, groups))
             self.next_group += len(groups)
             room -= len(groups)

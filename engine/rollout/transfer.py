@@ -29,7 +29,8 @@ from rlflow.engine.rollout.staging import REPORT_BYTES, Staging, read_report
 from rlflow.engine.rollout.weight_sync import Bucket, pack_bucket
 
 Call = Callable[[str, dict[str, Any] | None], dict[str, Any]]  # POST path with a JSON body
-TRAINER, REPLICA = 0, 1  # ranks of the gloo group (as vllm_transfer.py numbers them)
+TRAINER, REPLICA = 0, 1  # ranks of the gloo group (as transfer_receiver.py numbers them)
+REPORT_FILE = "report.json"  # fsspec: the replica's report, beside the bucket files
 
 
 def _in_thread(call: Call, path: str, body: dict[str, Any] | None) -> tuple[threading.Thread, list]:
@@ -164,8 +165,6 @@ class GlooChannel:
 
 class FsspecChannel:
     transport = "fsspec"
-    REPORT = "report.json"
-
     def __init__(self, url: str, fingerprint: bool = True):
         """url: a folder both sides reach (file:///shared/weights, s3://bucket/run/weights); this
         channel owns the files it writes there (bucket-*.safetensors, report.json)."""
@@ -185,15 +184,15 @@ class FsspecChannel:
 
     def _read_report(self, call: Call, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         """POST, then read the report the replica wrote during that call (removed first: never a stale one)."""
-        if self.fs.exists(self._path(self.REPORT)):
-            self.fs.rm_file(self._path(self.REPORT))
+        if self.fs.exists(self._path(REPORT_FILE)):
+            self.fs.rm_file(self._path(REPORT_FILE))
         call(path, body)
-        with self.fs.open(self._path(self.REPORT), "rb") as f:
+        with self.fs.open(self._path(REPORT_FILE), "rb") as f:
             return json.loads(f.read())
 
     def attach(self, call: Call, slot_bytes: int) -> dict[str, Any]:
         self.fs.makedirs(self.root, exist_ok=True)
-        self.written.add(self.REPORT)
+        self.written.add(REPORT_FILE)
         info = {"transport": "fsspec", "url": self.url, "nbytes": slot_bytes, "fingerprint": self.fingerprint}
         report = self._read_report(call, "/init_weight_transfer_engine", {"init_info": info})
         self._slot_bytes = slot_bytes

@@ -2,8 +2,8 @@
 rollouts on), and a run SIGKILLed at random moments keeps the three promises of resume.
 
 PPO (with its critic) runs as `python -m rlflow.engine.stages.worker` subprocesses with an `hf`
-rollout worker. The first run is SIGKILLed at a random moment after its first checkpoint: the
-trainer (its worker then exits by itself) or the rollout worker (the trainer then stops with an
+rollout replica. The first run is SIGKILLed at a random moment after its first checkpoint: the
+trainer (its replica then exits by itself) or the rollout replica (the trainer then stops with an
 error naming it), chosen at random; the second run resumes and finishes. (One kill: the suite's
 time budget; the scripted-stream tests in tests/unit/engine/rollout/test_streaming.py resume
 from every kind of buffer state.)
@@ -57,7 +57,7 @@ def call(root: Path, trained):
 
 def rollout_worker_pid(trainer_pid: int) -> int | None:
     for child in Path(f"/proc/{trainer_pid}/task/{trainer_pid}/children").read_text().split():
-        if b"worker_session" in Path(f"/proc/{child}/cmdline").read_bytes():
+        if b"rlflow.engine.rollout.hf_replica" in Path(f"/proc/{child}/cmdline").read_bytes():
             return int(child)
     return None
 
@@ -103,7 +103,7 @@ def test_an_async_run_killed_at_random_moments_loses_nothing_committed_and_repea
     if victim == "trainer":
         assert rc == -signal.SIGKILL, f"{seed_note}: exit {rc}\n{err}"
     else:  # the trainer sees its worker die and stops with an error naming it, no hang
-        assert rc not in (0, -signal.SIGKILL) and "rollout worker" in err, f"{seed_note}: exit {rc}\n{err}"
+        assert rc not in (0, -signal.SIGKILL) and "rollout replica" in err, f"{seed_note}: exit {rc}\n{err}"
     resumed_at = [None, store.latest()]
     assert resumed_at[1] is not None, f"{seed_note}: killed before its first commit"
     rc, metrics, err = finish_worker(start_worker(root, stage_tree, stage_call, None))

@@ -2,8 +2,8 @@
 resumes exactly.
 
 For k = 1 and 2, PPO (with its critic) runs as `python -m rlflow.engine.stages.worker` subprocesses
-with an `hf` rollout worker: one uninterrupted reference, then a chain of runs each killed at the
-next point (the trainer by RLFLOW_FAULT at a PPO kill point, the rollout worker at its n-th
+with an `hf` rollout replica: one uninterrupted reference, then a chain of runs each killed at the
+next point (the trainer by RLFLOW_FAULT at a PPO kill point, the rollout replica at its n-th
 generate request), then one that finishes. The final checkpoint must be byte-identical to the
 reference's and every logged metric equal to the reference's at that step: the batches sampled
 ahead are restored from the checkpoint, not sampled again by newer weights.
@@ -29,7 +29,7 @@ STEPS = 5
 KILL_CHAINS = {
     1: [
         "batch_received:3",  # step 3's batch, sampled during step 2 and committed with it, not trained
-        "rollout:generate:2",  # the restarted worker dies at its second request (rc 1, not a kill)
+        "rollout:generate:2",  # the restarted replica dies at its second request (rc 1, not a kill)
     ],
     2: ["weight_sync:3"],  # the first tensor of step 3's weights sent: the resume needs both batches ahead
 }
@@ -69,7 +69,7 @@ def test_an_off_policy_run_killed_anywhere_ends_bitwise_like_an_uninterrupted_on
         if fault is None:
             assert rc == 0, err
         elif fault.startswith("rollout:generate"):  # the trainer sees its worker die and fails cleanly
-            assert rc not in (0, KILLED_EXIT_CODE) and "rollout worker" in err, f"{fault}: exit {rc}\n{err}"
+            assert rc not in (0, KILLED_EXIT_CODE) and "rollout replica" in err, f"{fault}: exit {rc}\n{err}"
         else:
             assert rc == KILLED_EXIT_CODE, f"{fault}: exit {rc}\n{err}"
         logged += metrics

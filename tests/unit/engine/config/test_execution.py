@@ -123,7 +123,7 @@ def test_the_guards_logprob_stop_is_the_measured_one_of_the_sampler_and_dtype_un
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(transport="gloo"), "rollout.transport=gloo moves weights to vLLM replicas: it needs rollout.mode=server"),
+        (dict(transport="gloo"), "rollout.transport=gloo moves weights to rollout replicas: it needs rollout.mode="),
         (dict(mode="server", server_backend="vllm", transport="fsspec"), "rollout.transport=fsspec writes the weights"),
         (
             dict(mode="server", server_backend="vllm", transport="shm", endpoints=["http://10.0.0.7:8000"]),
@@ -148,3 +148,5 @@ def test_a_weight_transport_that_cannot_work_is_refused_naming_the_fix(fields, m
 def test_fsspec_weights_need_only_a_folder_both_sides_reach():
     cfg = RolloutConfig(mode="server", server_backend="vllm", transport="fsspec", weights_url="s3://bucket/weights")
     assert (cfg.transport, cfg.weights_url) == ("fsspec", "s3://bucket/weights")
+    hf = RolloutConfig(mode="server", transport="gloo")  # every backend's replica has every channel
+    assert (hf.server_backend, hf.transport) == ("hf", "gloo")

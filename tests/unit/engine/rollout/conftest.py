@@ -1,20 +1,10 @@
-"""The rollout worker tests' shared parts: a connected socket pair and the tiny model's backend."""
-
-import socket
+"""The rollout tests' shared parts: the tiny model's HF replica sampler, in this process."""
 
 import pytest
 
-from rlflow.engine.rollout.worker import HFBackend
+from rlflow.engine.rollout.hf_sampler import HFModel
 
 
 @pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
-
-
-@pytest.fixture
-def backend(small_assets):
-    return HFBackend(str(small_assets / "tiny-model"), "float32")
+def hf_model(small_assets):
+    return HFModel(str(small_assets / "tiny-model"), "float32")

@@ -8,7 +8,7 @@ import torch
 
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.rollout.lookahead import Lookahead, StepPlan, chunk_spans, staleness_metrics
-from rlflow.engine.rollout.worker_samples import Generation
+from rlflow.engine.rollout.replica import Generation
 from rlflow.engine.seeds import step_seed
 
 PARAMS = SamplingParams()

@@ -1,12 +1,12 @@
-"""The worker's samples as the trainer's batch (rlflow.engine.rollout.served): padding, masks and the
-sampler's log-probs, on a hand-made Generation (the probe after a sync needs a worker: test_server.py)."""
+"""A replica's samples as the trainer's batch (rlflow.engine.rollout.served): padding, masks and the
+sampler's log-probs, on a hand-made Generation (a real replica's: test_hf_replica.py)."""
 
 import pytest
 
 from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.rollout.served import build_rollout_batch
-from rlflow.engine.rollout.server import RolloutWorkerError
-from rlflow.engine.rollout.worker_samples import Generation
+from rlflow.engine.rollout.replica import ReplicaError
+from rlflow.engine.rollout.replica import Generation
 
 
 def test_a_generation_becomes_the_batch_generate_rollouts_would_build(small_assets):
@@ -23,7 +23,7 @@ def test_a_generation_becomes_the_batch_generate_rollouts_would_build(small_asse
 
 def test_a_short_response_without_eos_is_refused_with_the_cause(small_assets):
     tokenizer = load_tokenizer(str(small_assets / "tiny-model"))
-    with pytest.raises(RolloutWorkerError, match=r"2-token response without EOS \(max_new_tokens=3\).*eos_token_id"):
+    with pytest.raises(ReplicaError, match=r"2-token response without EOS \(max_new_tokens=3\).*eos_token_id"):
         build_rollout_batch(tokenizer, [[1]], Generation([[7, 8]], [[-1.0, -1.0]]), max_new_tokens=3)
 
 

@@ -12,7 +12,7 @@ from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.config.schema import build_config
 from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.rollout.generate import RolloutBatch
-from rlflow.engine.rollout.worker_samples import Generation
+from rlflow.engine.rollout.replica import Generation
 from rlflow.engine.rollout.service import RolloutService
 from rlflow.engine.rollout.weight_sync import WeightSyncError
 
@@ -145,7 +145,7 @@ def test_a_bad_sync_inside_the_rl_loop_stops_the_stage(
 
 
 class CannedWorker:
-    """Stands in for the RolloutClient (engine/rollout/server.py, a process of its own): returns
+    """Stands in for the replica fleet (engine/rollout/replicas.py, processes of their own): returns
     fixed samples per seed and records the calls."""
 
     def __init__(self, samples):

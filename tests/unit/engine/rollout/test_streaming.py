@@ -1,7 +1,7 @@
 """rollout.async's stream (engine/rollout/streaming.py): the staleness bound on every trained row,
 the overlap it allows, resume accounting (committed groups kept, in-flight ones discarded and
-counted, nothing trained twice), a lowered bound dropping groups, and a real worker that hangs or
-dies mid-stream. The real worker under PPO, killed at random: tests/scenarios/test_async_rollout.py."""
+counted, nothing trained twice), a lowered bound dropping groups, and a real replica that hangs
+mid-stream. The real replica under PPO, killed at random: tests/scenarios/test_async_rollout.py."""
 
 import os
 import signal
@@ -10,10 +10,11 @@ import time
 import pytest
 
 from rlflow.engine.config.sampling import SamplingParams
-from rlflow.engine.models.loading import load_tokenizer
-from rlflow.engine.rollout.server import RolloutClient, RolloutWorkerError
+from helpers.hf_replica import hf_client
+from rlflow.engine.models.loading import load_policy, load_tokenizer
+from rlflow.engine.rollout.replica import ReplicaError
 from rlflow.engine.rollout.streaming import AsyncSampler, GroupShape, from_ranges, to_ranges
-from rlflow.engine.rollout.worker_samples import Generation
+from rlflow.engine.rollout.replica import Generation
 
 PARAMS = SamplingParams(max_new_tokens=6)
 SHAPE = GroupShape(size=2, per_step=4, per_request=3)  # requests straddle steps on purpose
@@ -21,14 +22,15 @@ SHAPE = GroupShape(size=2, per_step=4, per_request=3)  # requests straddle steps
 
 class StaleClient:
     """Answers like the worker, as stale as it may be: a request's first token is sampled by the
-    weights held when it was submitted, the second (interruptible: a partial rollout) by those
+    weights held when it was submitted, the second (partial rollouts: pause mode keep) by those
     held when it is collected. Each row's ids are [group prompt, row]."""
 
     def __init__(self):
         self.weights, self.requests, self.next_id = 0, {}, 0
+        self.partial = False  # the fleet's pause mode: keep (partial rollouts) or wait
 
-    def submit(self, prompts, params, seed, interruptible=False):
-        self.requests[self.next_id] = (self.weights, list(prompts), interruptible)
+    def submit(self, prompts, params, seed):
+        self.requests[self.next_id] = (self.weights, list(prompts), self.partial)
         self.next_id += 1
         return self.next_id - 1
 
@@ -40,6 +42,7 @@ class StaleClient:
 
 
 def sampler(client, staleness, version=0, state=None, partial=True, last_step=100):
+    client.partial = partial
     return AsyncSampler(client, lambda g: [100 + g], PARAMS, SHAPE, staleness, partial, version, last_step, 7, state)
 
 
@@ -141,28 +144,31 @@ def test_ranges_round_trip_and_stay_short():
     assert to_ranges(list(range(10_000))) == [[0, 10_000]]
 
 
-# --- a real worker that stops answering mid-stream --------------------------------------------------
+# --- a real replica that stops answering mid-stream ------------------------------------------------
 
 
-def test_a_worker_that_hangs_mid_stream_is_killed_at_the_response_timeout_and_the_client_stays_failed(
-    small_assets, tmp_path
-):
-    """(A worker that dies mid-stream: tests/scenarios/test_async_rollout.py kills it under PPO.)"""
+def test_a_replica_that_hangs_mid_stream_is_an_error_at_the_response_timeout_and_stays_one(small_assets, tmp_path):
+    """(A replica that dies mid-stream: tests/scenarios/test_async_rollout.py kills it under PPO.)"""
     model_dir = str(small_assets / "tiny-model")
-    log = str(tmp_path / "hang.log")
     tokenizer = load_tokenizer(model_dir)
-    with RolloutClient.start("hf", model_dir, tokenizer=tokenizer, threads=1, log_path=log, response_timeout_s=1) as c:
-        c.concurrent = True
-        stream = AsyncSampler(c, lambda g: [5 + g % 7, 9], PARAMS, SHAPE, 1, True, 0, 10)
+    replica, client = hf_client(model_dir, tokenizer, str(tmp_path / "hang.log"), timeout_s=5, pause_mode="keep")
+    with client:
+        weights = load_policy(model_dir).named_parameters()
+        client.update_weights(weights, 0.5, version=0)
+        stream = AsyncSampler(client, lambda g: [5 + g % 7, 9], PARAMS, SHAPE, 1, True, 0, 10)
         stream.top_up()
         assert len(stream.take(1).groups) == 4 and stream.inflight  # the stream works, more groups in flight
-        c.fingerprint()  # a control request mid-stream, as a weight sync sends, answered first
-        os.kill(c.pid, signal.SIGSTOP)  # alive, never answers
+        client.update_weights(load_policy(model_dir).named_parameters(), 0.5, version=1)  # a sync mid-stream
+        os.kill(replica.proc.pid, signal.SIGSTOP)  # alive, never answers
+        stream.version = 1  # as the stage's sync does: the stream asks for more
+        stream.top_up()
         started = time.monotonic()
-        with pytest.raises(RolloutWorkerError) as err:
-            stream.take(2)
-        assert 1.0 <= time.monotonic() - started < 10
-        assert f"(pid {c.pid}) sent no reply to 'generate' within 1 s (rollout.response_timeout_s)" in str(err.value)
-        assert c.proc.wait(10) == -signal.SIGKILL  # killed, so no late reply can be misread
-        with pytest.raises(RolloutWorkerError, match="no reply"):  # and the client stays failed
-            c.fingerprint()
+        with pytest.raises(ReplicaError) as err:
+            for step in range(2, 11):  # the groups sampled before it stopped, then the first it owes
+                stream.take(step)
+        assert time.monotonic() - started < 30  # a request sent before the stop may time out sooner
+        assert "got no answer within 5 s (rollout.response_timeout_s)" in str(err.value)
+        assert f"the replica process {replica.proc.pid} is running" in str(err.value)
+        with pytest.raises(ReplicaError, match="no answer"):  # and stays an error, never a hang
+            client.update_weights(weights, 0.5, version=2)
+        os.kill(replica.proc.pid, signal.SIGCONT)

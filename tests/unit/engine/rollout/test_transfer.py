@@ -7,52 +7,20 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from helpers.transfer_peer import ChannelPeer
 from rlflow.engine.rollout.staging import REPORT_BYTES, read_report, write_report
-from rlflow.engine.rollout.transfer import REPLICA, TRAINER, GlooChannel, SharedMemoryChannel, broadcast
+from rlflow.engine.rollout.transfer import GlooChannel, SharedMemoryChannel
 from rlflow.engine.rollout.weight_sync import TensorEntry, iter_buckets, unpack_bucket
 
 WEIGHTS = {f"layer.{i}.weight": torch.randn(64, 32, generator=torch.Generator().manual_seed(i)) for i in range(6)}
 
 
-class GlooPeer:
-    """The replica's side of transport gloo: rank 1, joined inside /init_weight_transfer_engine."""
-
-    def __init__(self, refuse: str | None = None):
-        self.group, self.buffer, self.loaded, self.refuse = None, None, {}, refuse
-
-    def __call__(self, path: str, body: dict | None) -> dict:
-        if path == self.refuse:
-            raise RuntimeError(f"{path} refused")
-        if path == "/init_weight_transfer_engine":
-            info = body["init_info"]
-            store = dist.TCPStore(info["host"], info["port"], 2, False, timeout=timedelta(seconds=30))
-            self.group = dist.ProcessGroupGloo(store, REPLICA, 2, timedelta(seconds=30))
-            self.buffer = torch.empty(info["nbytes"], dtype=torch.uint8)
-            self.report({"dtype": "float32"})
-        elif path == "/update_weights":
-            info = body["update_info"]
-            data = self.buffer[: info["nbytes"]]
-            broadcast(self.group, data, TRAINER)
-            entries = [TensorEntry.from_json(t) for t in info["tensors"]]
-            self.loaded |= {name: view.clone() for name, view in unpack_bucket(entries, data)}
-        elif path == "/finish_weight_update":
-            self.report({"dtype": "float32", "tensors": len(self.loaded)})
-        return {}
-
-    def report(self, report: dict) -> None:
-        message = torch.zeros(REPORT_BYTES, dtype=torch.uint8)
-        write_report(message, report)
-        broadcast(self.group, message, REPLICA)
-
-
 def test_gloo_carries_every_bucket_and_the_replicas_report():
-    peer, channel = GlooPeer(), GlooChannel("127.0.0.1", timeout_s=30)
+    peer, channel = ChannelPeer(), GlooChannel("127.0.0.1", timeout_s=30)
     assert channel.attach(peer, 4096) == {"dtype": "float32"}
     buckets = list(iter_buckets(WEIGHTS.items(), 4096))
     assert len(buckets) == 6  # 8 KB tensors: one bucket each, larger than the 4 KB asked for
@@ -66,7 +34,7 @@ def test_gloo_carries_every_bucket_and_the_replicas_report():
 
 
 def test_a_refused_update_stops_the_trainers_broadcast_at_once_not_at_the_timeout():
-    peer, channel = GlooPeer(refuse="/update_weights"), GlooChannel("127.0.0.1", timeout_s=300)
+    peer, channel = ChannelPeer(refuse="/update_weights"), GlooChannel("127.0.0.1", timeout_s=300)
     channel.attach(peer, 1 << 16)
     bucket = next(iter(iter_buckets(WEIGHTS.items(), 1 << 16)))
     started = time.monotonic()

@@ -203,7 +203,7 @@ def update_while_sampling(client, policy, prompts, params, mode: str, version: i
     """Submit, wait until the engine samples every row, then update the weights (pause `mode`)."""
     request = client.submit(prompts, params, seed=9)
     deadline = time.monotonic() + 120
-    while client.running() < len(prompts):
+    while (client.gauge("vllm:num_requests_running") or 0) < len(prompts):
         assert time.monotonic() < deadline, "the generations never reached the replica's engine"
         time.sleep(0.02)
     thread = threading.Thread(
@@ -277,42 +277,3 @@ def test_a_killed_replica_is_an_error_naming_it_not_a_hang(client, replica):
         ReplicaError, match=r"rollout replica vllm-0: /inference/v1/generate could not connect.*exited with code -9"
     ):
         client.generate(chat_prompts(client.tokenizer, 2), SamplingParams(0.7, 1.0, 4), seed=1)
-
-
-def test_the_trainer_leaves_the_replicas_cores_to_it_until_the_fleet_closes():
-    """pin_trainer moves every thread of the trainer (those started before it too) off the replica's
-    cores and lowers torch's thread count to the cores left; its undo restores both."""
-    from rlflow.engine.rollout.vllm_replica import pin_trainer, replica_cores
-
-    def affinities() -> set[frozenset[int]]:
-        return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
-
-    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    started = threading.Event()
-    idle = threading.Thread(target=started.wait, daemon=True)  # a thread that exists before the pin
-    idle.start()
-    torch.set_num_threads(len(before))
-    replica = replica_cores(1)
-    restore = pin_trainer(replica)
-    try:
-        if len(before) == 1:  # nothing to give: the trainer keeps its only core
-            assert affinities() == {frozenset(before)}
-        else:
-            assert affinities() == {frozenset(before - {int(replica)})}
-            assert torch.get_num_threads() == len(before) - 1
-    finally:
-        restore()
-        started.set()
-    assert affinities() == {frozenset(before)} and torch.get_num_threads() == len(before)
-    torch.set_num_threads(threads)
-    assert pin_trainer(None)() is None  # vLLM chooses its cores: nothing to pin
-
-
-def test_each_replica_gets_cores_of_its_own_from_the_last_ones_and_shares_when_there_are_too_few(monkeypatch):
-    from rlflow.engine.rollout.vllm_replica import replica_cores
-
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert [replica_cores(2, i, 3) for i in range(3)] == ["6,7", "4,5", "2,3"]  # the trainer keeps 0 and 1
-    assert replica_cores(1) == "7" and replica_cores(None) is None
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert [replica_cores(1, i, 3) for i in range(3)] == ["1", "0", "1"]

@@ -55,7 +55,6 @@ UNCHANGEABLE = {
     "rollout.partial_rollouts": "only with rollout.async, which the first base leaves off",
     "rollout.replicas": "only with rollout.mode=server and server_backend=vllm, which no base sets",
     "rollout.endpoints": "only with rollout.mode=server and server_backend=vllm, which no base sets",
-    "rollout.transport": "only with rollout.mode=server and server_backend=vllm, which no base sets",
 }
 
 
