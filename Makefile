@@ -141,7 +141,9 @@ gpu-wheels: install
 	rm -rf .gpu-wheels && mkdir -p .gpu-wheels
 	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .gpu-wheels
 	$(PY) -m pip download -q --no-deps -d .gpu-wheels hjson==3.1.0 py-cpuinfo==9.0.0 einops==0.8.2 \
-		annotated-types==0.8.0 typing-inspection==0.4.5 pydantic==2.14.4 fsspec==2026.9.0
+		annotated-types==0.8.0 typing-inspection==0.4.5 pydantic==2.14.4 fsspec==2026.9.0 \
+		uvicorn==0.55.0 h11==0.16.0 click==8.5.1 requests==2.34.2 urllib3==2.8.0 idna==3.21 \
+		certifi==2026.10.19.post1
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux2014_x86_64 -d .gpu-wheels msgpack==1.2.4 pydantic-core==2.50.5 \
 		safetensors==0.8.0 pyyaml==6.0.4 ninja==1.13.2

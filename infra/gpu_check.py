@@ -1,11 +1,15 @@
 """GPU check: a ~0.5B Qwen2-shaped model with random weights, a few PPO steps on the deepspeed
 backend (ZeRO-3, bf16, sdpa), opened by the RL-run entry point as the stage opens them, and the
-numbers that say whether the GPU path is healthy.
+numbers that say whether the GPU path is healthy; then, where a vLLM environment is there
+(`--vllm-python`), the vLLM replica path on the GPU: the trained actor's weights into a vLLM server
+(bf16, CUDA graphs, chunked prefill) through rlflow's channel, a batch sampled, and the sync guard's
+numbers against the trainer.
 
 Run by infra/gpu_check.sh (which makes the carried wheels importable); nothing is downloaded.
 Prints: rollout and training tokens/s, MFU of the training updates (model FLOPs / time over the
-GPU's measured bf16 matmul rate), peak GPU memory, and the weight-sync time to an `hf` rollout
-server. Budget: under 4 minutes on one H100/H200-class GPU.
+GPU's measured bf16 matmul rate), peak GPU memory, the weight-sync time to an `hf` rollout replica,
+and for vLLM its start, sync seconds, tokens/s and log-prob gap. Budget: under 7 minutes on one
+H100/H200-class GPU. Unverified on a GPU so far (no GPU was lent while it was written).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rollout-batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no GPU is visible (torch.cuda.is_available() is False)")
@@ -117,6 +122,7 @@ def main() -> None:
     service = RolloutService.start(RolloutConfig(mode="server", bucket_mb=512), model_dir, models.tokenizer, models.actor, None)
     sync = service.sync(models.actor)
     service.close()
+    vllm = vllm_replica_check(args.vllm_python, model_dir, models, args.new_tokens)
     report = {
         "params_billion": n_params / 1e9,
         "gpu": torch.cuda.get_device_name(),
@@ -128,6 +134,7 @@ def main() -> None:
         "step_seconds": statistics.median(m["timing_s/step"] for m in measured),
         "weight_sync_seconds": sync.get("timing_s/update_weights"),
         "weight_sync_gb_per_s": sync.get("rollout/sync_gb_per_s"),
+        "vllm": vllm,
         "total_seconds": time.monotonic() - t0,
     }
     print(json.dumps(report, indent=2))
@@ -135,6 +142,53 @@ def main() -> None:
     if out:
         Path(out, "gpu_check.json").write_text(json.dumps(report, indent=2))
     runtime.close()
+
+
+def vllm_replica_check(python: str, model_dir: str, models, new_tokens: int) -> dict:
+    """The vLLM replica on this GPU, as the RL stage drives it: started, synced from the actor (shm,
+    fingerprint on), 64 rows sampled; the trainer rescores them (the sync guard's log-prob gap)."""
+    import subprocess
+
+    imports = os.path.isfile(python) and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0
+    if not imports:
+        return {"skipped": f"{python} cannot import vllm (run `make vllm-env` on this machine)"}
+    from rlflow.engine.config.sampling import SamplingParams
+    from rlflow.engine.rollout.generate import batched_logprobs
+    from rlflow.engine.rollout.replica import ReplicaClient
+    from rlflow.engine.rollout.served import build_rollout_batch
+    from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica
+    from rlflow.engine.rollout.weight_sync import weights_fingerprint
+
+    started = time.monotonic()
+    gpu = torch.cuda.is_available()  # (a CPU smoke run of this function: eager, whole prompts)
+    options = VLLMOptions(dtype="bfloat16", eager=not gpu, chunked_prefill=gpu, max_model_len=1024)
+    replica = VLLMReplica.start(model_dir, python=python, options=options, startup_timeout_s=240)
+    result: dict = {"start_seconds": time.monotonic() - started}
+    try:
+        with ReplicaClient(replica.url, replica.key, models.tokenizer, on_failure=replica.failure) as client:
+            syncs = [client.update_weights(models.actor.named_full_parameters(), 512, version=v) for v in range(3)]
+            trainer_fp = weights_fingerprint(models.actor.named_full_parameters(), round_to=client.dtype)
+            prompts = [[5 + i % 50, 6, 7, 8] for i in range(64)]
+            params = SamplingParams(1.0, 1.0, new_tokens)
+            client.generate(prompts, params, 0)  # warm-up (CUDA graphs)
+            sample_started = time.monotonic()
+            generation = client.generate(prompts, params, 1)
+            sample_s = time.monotonic() - sample_started
+            batch = build_rollout_batch(models.tokenizer, prompts, generation, new_tokens)
+            with torch.no_grad():
+                trainer = batched_logprobs(models.actor.forward, batch, 1.0)
+            diff = (trainer.float().cpu() - batch.sampled_logprobs).abs() * batch.response_mask
+            result |= {
+                "sync_seconds": statistics.median(s.seconds for s in syncs[1:]),
+                "sync_gb_per_s": statistics.median(s.gb_per_s for s in syncs[1:]),
+                "fingerprint_match": client.fingerprint() == trainer_fp,
+                "tokens_per_s": sum(len(r) for r in generation.response_ids) / sample_s,
+                "logprob_diff_mean": float(diff.sum() / batch.response_mask.sum()),
+                "logprob_diff_max": float(diff.max()),
+            }
+    finally:
+        replica.close()
+    return result
 
 
 if __name__ == "__main__":
