@@ -15,7 +15,7 @@ the rest of that batch, exactly as colocated generation would (engine/rollout/hf
 Weights come through rlflow's channels (engine/rollout/transfer_receiver.py: shm, gloo or fsspec) and
 are copied into the parameters (converting the dtype); the report's fingerprint hashes the parameters
 themselves. Every route but /health wants the key (replica_auth.RequireKey, from the environment
-only). Binds 127.0.0.1 unless told otherwise; exits when the process that started it is gone.
+only). Binds 127.0.0.1 unless told otherwise; exits when the trainer that started it is gone.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import json
 import logging
 import os
 import sys
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -39,6 +37,7 @@ import torch
 from rlflow.engine.rollout.hf_sampler import BatchKey, HFModel, HFSampler, RowRequest, SamplerError
 from rlflow.engine.rollout.replica_auth import RequireKey
 from rlflow.engine.rollout.replica_model import SIGNATURE_PATH, model_signature
+from rlflow.engine.rollout.replica_watch import watch_trainer
 from rlflow.engine.rollout.transfer_receiver import BucketUpdate, ReplicaChannel, TransferInit
 
 log = logging.getLogger("rlflow.hf_replica")
@@ -199,18 +198,6 @@ async def _answer(send: Any, status: int, answer: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """Exit when the process that started the replica is gone, even mid-request."""
-
-    def run() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        log.error("the trainer process %d is gone; exiting", parent_pid)
-        os._exit(3)
-
-    threading.Thread(target=run, name="parent-watchdog", daemon=True).start()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="rlflow's HF rollout replica (started by rlflow)")
     parser.add_argument("--model-dir", required=True)
@@ -218,7 +205,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (0: never)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="longest pause and batch wait")
     parser.add_argument("--trust-remote-code", action="store_true")
     return parser.parse_args(argv)
@@ -233,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s hf-replica[{os.getpid()}] %(message)s"
     )
-    if args.parent_pid:
-        watch_parent(args.parent_pid)
+    watch_trainer()  # ends with the trainer that started it (replica_watch.py)
     if not os.path.isdir(args.model_dir):
         log.error("model directory %s does not exist; point the replica at a local HF model", args.model_dir)
         return 2

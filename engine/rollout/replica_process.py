@@ -6,7 +6,8 @@
     replica.close()
 
 The server gets its API key through its environment only (never argv, which `ps` shows), runs in a
-session of its own (its helper processes go with it), and is killed by a finalizer if nobody closes it.
+session of its own (its helper processes go with it), is killed by a finalizer if nobody closes it,
+and kills itself when this process is gone, SIGKILLed included (replica_watch.py).
 Which server: engine/rollout/vllm_replica.py (vLLM's) or hf_replica.py (rlflow's, transformers).
 """
 
@@ -23,6 +24,7 @@ import requests
 
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV
+from rlflow.engine.rollout.replica_watch import TRAINER_PID_ENV
 
 POLL_S = 0.5
 LOG_TAIL_LINES = 8
@@ -71,7 +73,7 @@ class ReplicaProcess:
         key = key or secrets.token_urlsafe(32)
         log_path = log_path or new_log("rlflow-replica-")
         full_env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
-        full_env |= env | {REPLICA_KEY_ENV: key, "PYTHONUNBUFFERED": "1"}
+        full_env |= env | {REPLICA_KEY_ENV: key, TRAINER_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command,

@@ -48,7 +48,7 @@ def start_hf_replica(
     port = free_port(host)
     command = [sys.executable, "-m", "rlflow.engine.rollout.hf_replica", "--model-dir", str(model_dir)]
     command += ["--host", host, "--port", str(port), "--dtype", dtype, "--threads", str(threads)]
-    command += ["--parent-pid", str(os.getpid()), "--timeout-s", str(timeout_s)]
+    command += ["--timeout-s", str(timeout_s)]
     command += ["--trust-remote-code"] if trust_remote_code else []
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     if cuda_visible_devices is not None:  # placement.rollout: the replica's own GPUs

@@ -17,7 +17,8 @@ reads the distribution named "vllm", which the CPU build is not). rlflow's part 
 - `--middleware ...RequireKey`: every route, RL routes included, needs the key
   (engine/rollout/replica_auth.py); VLLM_SERVER_DEV_MODE=1 is what mounts the RL routes;
 - `--middleware ...ServedModel`: the served model's signature, checked before any weight travels
-  (engine/rollout/replica_model.py);
+  (engine/rollout/replica_model.py); `--middleware ...ExitWithTrainer`: the server and its engine
+  processes end when the trainer does, SIGKILLed included (engine/rollout/replica_watch.py);
 - on the CPU: `--enforce-eager` where asked (no torch.compile: a start of ~1 min, not ~2),
   `--no-enable-chunked-prefill` (a seeded request prefilled in chunks kills vLLM 0.32's engine core
   there), VLLM_CPU_OMP_THREADS_BIND (the replica's own cores; `pin_trainer` moves the trainer off
@@ -77,7 +78,9 @@ class VLLMReplica(ReplicaProcess):
         command += ["--generation-config", "vllm", "--skip-tokenizer-init", "--tokens-only"]
         command += ["--weight-transfer-config", json.dumps({"backend": "rlflow"})]
         command += ["--middleware", "rlflow.engine.rollout.replica_auth.RequireKey"]
-        command += ["--middleware", "rlflow.engine.rollout.replica_model.ServedModel", "--disable-uvicorn-access-log"]
+        command += ["--middleware", "rlflow.engine.rollout.replica_model.ServedModel"]
+        command += ["--middleware", "rlflow.engine.rollout.replica_watch.ExitWithTrainer"]
+        command += ["--disable-uvicorn-access-log"]
         command += ["--enforce-eager"] if options.eager else []
         command += [] if options.chunked_prefill else ["--no-enable-chunked-prefill"]
         command += list(options.extra_args)
