@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -41,7 +41,7 @@ from rlflow.engine.rollout.replica_watch import watch_trainer
 from rlflow.engine.rollout.transfer_receiver import BucketUpdate, ReplicaChannel, TransferInit
 
 log = logging.getLogger("rlflow.hf_replica")
-MAX_CALLS = 256  # requests handled at once: a batch's rows wait together, with the control calls beside them
+MAX_CALLS = 32  # control calls handled at once (rows wait for their batch without a thread)
 
 
 class HFReplica:
@@ -66,11 +66,12 @@ class HFReplica:
             ("GET", "/metrics"): lambda body, query: self.metrics(),
         }
 
-    def generate(self, body: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+    async def generate(self, body: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+        """One row: awaited on the event loop, so rows waiting for their batch hold no thread."""
         request, timeout_s = row_request(body), self.sampler.timeout_s
         try:
-            result = self.sampler.submit(request).result(timeout_s)
-        except FutureTimeout:
+            result = await asyncio.wait_for(asyncio.wrap_future(self.sampler.submit(request)), timeout_s)
+        except TimeoutError:
             raise SamplerError(f"the row was not sampled within {timeout_s:g} s (a batch missing rows?)") from None
         content = [{"logprob": x} for x in result.logprobs]
         choice = {"token_ids": result.ids, "logprobs": {"content": content}, "weight_versions": result.spans}
@@ -174,19 +175,30 @@ class App:
             await _answer(send, 404, {"error": f"no route {scope['method']} {scope['path']}"})
             return
         query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
-        loop = asyncio.get_running_loop()
-        status, answer = await loop.run_in_executor(self.pool, _call, route, body, query)
+        if inspect.iscoroutinefunction(route):  # a row: it waits for its batch on the event loop
+            try:
+                status, answer = 200, await route(json.loads(body) if body else {}, query)
+            except Exception as exc:
+                status, answer = _failure(exc)
+        else:  # pause waits for the running batch, a gloo update inside a collective: on a thread
+            loop = asyncio.get_running_loop()
+            status, answer = await loop.run_in_executor(self.pool, _call, route, body, query)
         await _answer(send, status, answer)
 
 
 def _call(route: Callable[..., Any], body: bytes, query: dict[str, str]) -> tuple[int, Any]:
     try:
         return 200, route(json.loads(body) if body else {}, query)
-    except (SamplerError, ValueError, TypeError) as exc:  # the request's fault: say what was wrong
-        return 400, {"error": f"{type(exc).__name__}: {exc}"}
-    except Exception as exc:  # the replica's fault: logged with its trace, answered in one line
-        log.exception("request failed")
+    except Exception as exc:
+        return _failure(exc)
+
+
+def _failure(exc: Exception) -> tuple[int, Any]:
+    """400 for the request's fault (say what was wrong), 500 for the replica's (logged with its trace)."""
+    if not isinstance(exc, (SamplerError, ValueError, TypeError)):
+        log.error("request failed", exc_info=exc)
         return 500, {"error": f"{type(exc).__name__}: {exc}"}
+    return 400, {"error": f"{type(exc).__name__}: {exc}"}
 
 
 async def _answer(send: Any, status: int, answer: Any) -> None:

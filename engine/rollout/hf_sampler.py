@@ -206,10 +206,12 @@ class HFSampler:
             except BaseException as exc:  # noqa: BLE001 - every row's caller gets the error
                 log.exception("sampling batch %s failed", batch.key.batch)
                 for _, future in rows:
-                    future.set_exception(exc)
+                    if not future.cancelled():  # a row whose caller gave up waiting
+                        future.set_exception(exc)
             else:
                 for (_, future), result in zip(rows, results):
-                    future.set_result(result)
+                    if not future.cancelled():
+                        future.set_result(result)
             finally:
                 with self.cond:
                     self.running, self.rows_running = False, 0

@@ -45,7 +45,9 @@ from rlflow.engine.rollout.weight_sync import DTYPES, Bucket, iter_buckets
 
 MB = 1 << 20
 TRANSFER_BACKEND = "rlflow"  # engine/rollout/vllm_transfer.py registers it under this name
-MAX_PARALLEL_ROWS = 64  # rows in flight per replica; the server batches what arrives together
+# Rows in flight per replica (threads start as needed). An HF replica samples a batch only once all its
+# rows have arrived, so a generate call's rows must all be in flight at once: generate_batch may not exceed it.
+MAX_PARALLEL_ROWS = 1024
 
 
 class Generation(NamedTuple):
@@ -108,7 +110,7 @@ class RowRequests:
     `row(index, prompt, batch)` samples one row and returns (ids, log-probs, versions)."""
 
     def __init__(self, workers: int, name: str):
-        self.name = name
+        self.name, self.workers = name, workers
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix=f"rows-{name}")
         self.pending: dict[int, list[Future]] = {}
         self.next_id = 0
@@ -119,6 +121,11 @@ class RowRequests:
         self, row: Callable[..., Any], prompts: Sequence[Sequence[int]], params: Any, seed: int, tokenizer: Any,
         priority: bool = False,
     ) -> int:
+        if len(prompts) > self.workers:
+            raise ReplicaError(
+                f"{self.name}: {len(prompts)} rows in one generate call, more than the {self.workers} a replica"
+                " takes in flight; lower rollout.generate_batch"
+            )
         stops = tuple(int(t) for t in stop_token_ids(tokenizer))
         with self.lock:
             request_id, self.next_id = self.next_id, self.next_id + 1

@@ -109,6 +109,15 @@ def test_samples_equal_colocated_generation_bit_for_bit(client, policy, tiny):
     assert client.fingerprint() == weights_fingerprint(policy.named_parameters())
 
 
+def test_a_batch_of_more_rows_than_a_thread_pool_holds_is_one_batch_still(client, policy, tiny):
+    """Rows wait for their batch on the replica's event loop, not on threads: 320 rows, one batch."""
+    prompts, params = tiny[2] * 20, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4)
+    generation = client.generate(prompts, params, SEED)
+    colocated = generate_rollouts(policy, tiny[1], prompts, params, SEED)
+    batch = build_rollout_batch(tiny[1], prompts, generation, params.max_new_tokens)
+    assert len(prompts) == 320 and torch.equal(batch.input_ids, colocated.input_ids)
+
+
 def test_generations_in_flight_together_come_back_each_its_own(client, tiny):
     prompts = tiny[2]
     sequential = [client.generate(prompts, PARAMS, seed) for seed in (SEED, SEED + 1)]
