@@ -82,6 +82,6 @@ def test_a_generate_call_of_more_rows_than_a_replica_takes_in_flight_names_the_k
     from rlflow.engine.rollout.replica import RowRequests
 
     rows = RowRequests(2, "rollout replica hf-0")
-    with pytest.raises(ReplicaError, match=r"3 rows in one generate call, more than the 2 .*lower rollout.generate_batch"):
+    with pytest.raises(ReplicaError, match=r"3 rows in one generate call, more than the 2 .*rollout.generate_batch"):
         rows.submit(lambda *a: None, [[1], [2], [3]], None, 0, tokenizer=None)
     rows.close()
