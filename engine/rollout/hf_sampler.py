@@ -186,10 +186,10 @@ class HFSampler:
         with self.cond:
             waited = time.monotonic()
             while True:
-                ready = [b for b in self.batches.values() if b.complete] if not self.paused else []
+                ready = [(k, b) for k, b in self.batches.items() if b.complete] if not self.paused else []
                 if ready:
-                    batch = next((b for b in ready if b.key.priority), ready[0])
-                    del self.batches[next(k for k, b in self.batches.items() if b is batch)]
+                    name, batch = next(((k, b) for k, b in ready if b.key.priority), ready[0])
+                    del self.batches[name]
                     self.running, self.rows_running = True, batch.key.rows
                     self.idle_s += time.monotonic() - waited
                     return batch

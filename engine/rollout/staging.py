@@ -3,7 +3,7 @@
 Nothing is named in /dev/shm (nothing leaks when the trainer is SIGKILLed, no 64 MB Docker limit).
 The replica opens it as /proc/<trainer pid>/fd/<fd>, which only the trainer's user may open.
 
-Layout: an optional report region of REPORT_BYTES, where the replica answers (a length-prefixed
+Layout: a report region of REPORT_BYTES, where the replica answers (a length-prefixed
 JSON object: its dtype, the fingerprint of the weights it loaded), then `slots` regions of
 `slot_bytes`, so packing bucket i+1 can overlap the replica loading bucket i.
 """
@@ -24,7 +24,7 @@ _LENGTH = struct.Struct("<Q")
 
 
 class Staging:
-    def __init__(self, slot_bytes: int, slots: int = 2, report_bytes: int = 0):
+    def __init__(self, slot_bytes: int, slots: int = 2, report_bytes: int = REPORT_BYTES):
         self.slot_bytes, self.slots, self.report_bytes = slot_bytes, slots, report_bytes
         self.nbytes = report_bytes + slot_bytes * slots
         self.fd = os.memfd_create("rlflow-weight-staging", os.MFD_CLOEXEC)
@@ -41,8 +41,6 @@ class Staging:
         return self.report_bytes + (index % self.slots) * self.slot_bytes
 
     def read_report(self) -> dict[str, Any]:
-        if not self.report_bytes:
-            raise ValueError("this staging memory has no report region")
         return read_report(self.buffer)
 
     def close(self) -> None:

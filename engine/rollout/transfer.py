@@ -90,7 +90,7 @@ class SharedMemoryChannel:
 
     def attach(self, call: Call, slot_bytes: int) -> dict[str, Any]:
         self.close()
-        self.staging = Staging(slot_bytes, slots=2, report_bytes=REPORT_BYTES)
+        self.staging = Staging(slot_bytes, slots=2)
         info = {"transport": "shm", "path": self.staging.path, "nbytes": self.staging.nbytes}
         call("/init_weight_transfer_engine", {"init_info": info | {"fingerprint": self.fingerprint}})
         return self.staging.read_report()
