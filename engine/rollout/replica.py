@@ -200,6 +200,8 @@ class ReplicaClient:
             self._fail(f"{path} got no answer within {self.timeout_s:g} s (rollout.response_timeout_s)")
         except requests.ConnectionError as exc:
             self._fail(f"{path} could not connect ({type(exc).__name__})")
+        except requests.RequestException as exc:  # e.g. the replica died mid-answer (ChunkedEncodingError)
+            self._fail(f"{path} broke off its answer ({type(exc).__name__})")
         if response.status_code == 401:
             self._fail(f"{path} was refused (401): the replica wants another API key")
         if response.status_code >= 400:
@@ -222,7 +224,10 @@ class ReplicaClient:
     def gauge(self, name: str) -> float | None:
         """The sum of a GET /metrics series (e.g. vllm:num_requests_running, rlflow:idle_seconds_total);
         None where the replica does not report it."""
-        response = self._session.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout_s)
+        try:
+            response = self._session.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            self._fail(f"/metrics got no whole answer ({type(exc).__name__})")
         values = [line.rsplit(" ", 1)[-1] for line in response.text.splitlines() if line.startswith(name)]
         return sum(float(v) for v in values) if values else None
 

@@ -85,3 +85,27 @@ def test_a_generate_call_of_more_rows_than_a_replica_takes_in_flight_names_the_k
     with pytest.raises(ReplicaError, match=r"3 rows in one generate call, more than the 2 .*rollout.generate_batch"):
         rows.submit(lambda *a: None, [[1], [2], [3]], None, 0, tokenizer=None)
     rows.close()
+
+
+def test_a_replica_that_dies_mid_answer_is_an_error_naming_it():
+    """Headers, then half a body, then the socket closes: what a killed replica leaves behind."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve_half():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 172\r\n\r\n{")
+
+    server = threading.Thread(target=serve_half, daemon=True)
+    server.start()
+    client = ReplicaClient(f"http://127.0.0.1:{port}", "k", Tokenizer(), name="r0", timeout_s=5)
+    with pytest.raises(ReplicaError, match=r"rollout replica r0: /pause broke off its answer \(ChunkedEncodingError\)"):
+        client.pause()
+    client.close()
+    server.join(timeout=5)
+    listener.close()
