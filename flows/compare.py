@@ -4,13 +4,18 @@ A table of per-round numbers (gold and reward-model score, KL, reward-model accu
 tokens/s, seconds, and what those seconds cost on the run's devices at configs/prices.yaml's
 price) and a figure of reward, KL and response length per PPO step, one line per
 (run, round), saved as a PNG and logged to each run's parent MLflow run under compare/.
+With two runs or more, each later run's rounds are also paired with the first run's same round
+on the same held-out prompts: the mean per-prompt difference of gold_after and its standard
+error, which sees a change that two means' separate errors would hide.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,6 +153,49 @@ def format_cell(value: Any, column: str = "") -> str:
     return f"{value:.1f}" if column in ("seconds", "rl_tok_s") else f"{value:.4f}"
 
 
+def gold_by_prompt(client: Any, rec: RoundRecord) -> tuple[list[str], list[float]] | None:
+    """(prompt digests, gold_after per prompt) from the round's eval child; None where it has no
+    per-prompt table (no eval stage, or a run recorded before the table existed)."""
+    from rlflow.engine.stages.round_eval import BY_PROMPT_TABLE  # (torch: only when runs are paired)
+
+    run_id = rec.children.get("eval")
+    if run_id is None or not any(f.path == BY_PROMPT_TABLE for f in client.list_artifacts(run_id)):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        table = json.loads(Path(client.download_artifacts(run_id, BY_PROMPT_TABLE, tmp)).read_text())
+    column = {name: i for i, name in enumerate(table["columns"])}
+    rows = table["data"]
+    return [r[column["prompt"]] for r in rows], [float(r[column["gold_after"]]) for r in rows]
+
+
+ByPrompt = dict[tuple[str, int], tuple[list[str], list[float]] | None]  # (run, round) -> gold_by_prompt
+
+
+def format_paired(records: list[RoundRecord], by_prompt: ByPrompt) -> list[str]:
+    """Each round of the second and later runs against the first run's same round, per held-out
+    prompt: the mean of (its gold_after - the first run's) and the standard error of that mean."""
+    from rlflow.engine.algorithms.stats import paired_difference
+
+    if not records:
+        return []
+    first = records[0].run
+    header = f"{'gold_after paired with ' + first[:24]:<48} {'diff':>9} {'stderr':>9} {'prompts':>7}"
+    lines = []
+    for rec in records:
+        if rec.run == first or (first, rec.round_index) not in by_prompt:
+            continue
+        label = f"{rec.run[:24]:<24} r{rec.round_index:<3}"
+        mine, theirs = by_prompt[(rec.run, rec.round_index)], by_prompt[(first, rec.round_index)]
+        if mine is None or theirs is None:
+            lines.append(f"{label:<48} no per-prompt scores (an eval stage records them)")
+        elif mine[0] != theirs[0]:
+            lines.append(f"{label:<48} other held-out prompts than {first}'s: not paired")
+        else:
+            diff, stderr = paired_difference(theirs[1], mine[1])
+            lines.append(f"{label:<48} {diff:>+9.4f} {stderr:>9.4f} {len(mine[0]):>7}")
+    return [header] + lines if lines else []
+
+
 def plot_curves(records: list[RoundRecord]) -> bytes:
     """A PNG: one panel per CURVES metric, one line per (run, round), x = PPO step."""
     import matplotlib
@@ -183,6 +231,10 @@ def command_compare(args: argparse.Namespace) -> int:
     book = load_price_book(args.prices)
     price_rounds(client, parents, records, book)
     print(format_compare_table(records, book.currency))
+    if len(parents) > 1:
+        by_prompt = {(r.run, r.round_index): gold_by_prompt(client, r) for r in records}
+        for line in format_paired(records, by_prompt):
+            print(line)
     png = plot_curves(records)
     out = Path(args.out or f"{args.root}/compare-{'-vs-'.join(args.runs)}.png")
     if "://" in str(out):

@@ -3,6 +3,8 @@ prompts with the same sampling seed, and the paired differences the promotion ga
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from rlflow.engine.algorithms.stats import paired_difference, sign_agreement
@@ -32,6 +34,7 @@ from rlflow.engine.stages.inputs import ModelInput, ModelLoading, RewardModelInp
 from rlflow.engine.stages.lifecycle import finish
 
 RESULTS_FILE = "results.json"
+BY_PROMPT_TABLE = "eval_gold_by_prompt.json"  # each prompt's gold before and after (`rlflow compare` pairs runs)
 
 
 class EvalData(SectionView, source=DataConfig):
@@ -120,6 +123,22 @@ def paired_metrics(before: PolicyEvaluation, after: PolicyEvaluation) -> dict[st
     return metrics
 
 
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """A short name of one prompt as the model read it: two runs' scores pair only on equal digests."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+def gold_by_prompt(
+    prompt_ids: Sequence[Sequence[int]], before: PolicyEvaluation, after: PolicyEvaluation
+) -> list[dict[str, Any]]:
+    """A row per prompt, in order: its digest and its gold score before and after the round. Two runs
+    evaluated on the same prompts compare per prompt (a paired difference), not by their means."""
+    return [
+        {"prompt": prompt_digest(ids), "gold_before": b, "gold_after": a}
+        for ids, b, a in zip(prompt_ids, before.gold_scores, after.gold_scores, strict=True)
+    ]
+
+
 def _regression_rows(tokenizer: Any, data: EvalData) -> list[PromptResponseIds]:
     """data.regression's records, encoded as SFT encodes its pairs (none without the file)."""
     if data.regression is None:
@@ -190,6 +209,8 @@ def run_eval_stage(ctx: StageContext, inputs: EvalInputs) -> StageOutcome:
         paired |= {"eval/regression_nll_increase": increase, "eval/regression_nll_increase_stderr": increase_se}
     ctx.sink.log_metrics(paired, 1)
     results["paired"] = paired
+    results["by_prompt"] = gold_by_prompt(prompts.token_ids, *measured)
+    ctx.sink.log_table(BY_PROMPT_TABLE, results["by_prompt"])
     with ctx.store.writer(0) as writer:
         writer.write_json(RESULTS_FILE, results)
         writer.meta.update(identity=ctx.identity, identity_tree=ctx.identity_tree)

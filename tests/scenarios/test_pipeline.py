@@ -174,7 +174,8 @@ def _check_summary_checkpoints_and_mlflow(root, secret, secrets, console):
     assert "config.yaml" in {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     ppo = children[("1", "rl")]
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "actor/pg_loss")] == [1, 2, 3]
-    assert "eval_samples_after.json" in {a.path for a in client.list_artifacts(children[("1", "eval")].info.run_id)}
+    eval_artifacts = {a.path for a in client.list_artifacts(children[("1", "eval")].info.run_id)}
+    assert {"eval_samples_after.json", "eval_gold_by_prompt.json"} <= eval_artifacts  # the latter: compare pairs
 
     for run in (parents[0], *children.values()):
         assert secret not in json.dumps(run.data.params)

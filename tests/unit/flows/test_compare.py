@@ -16,9 +16,12 @@ from rlflow.flows.compare import (
     command_compare,
     format_cell,
     format_compare_table,
+    format_paired,
+    gold_by_prompt,
     plot_curves,
     price_rounds,
 )
+from rlflow.engine.stages.round_eval import BY_PROMPT_TABLE
 
 PPO = {
     "perf/throughput": [(1, 100.0), (2, 200.0), (3, 300.0)],  # the column is the mean: 200
@@ -37,12 +40,27 @@ ALPHA = {
 BETA = {0: {"eval": (8.0, eval_metrics(before=0.2, after=0.3, rm_score=1.0, kl=0.5))}}
 
 
+# round 0's gold per held-out prompt, as the eval stage logs it: beta - alpha = [1, 1, 0, -1]
+ALPHA_BY_PROMPT = [("p1", 0.0), ("p2", 0.0), ("p3", 1.0), ("p4", 1.0)]
+BETA_BY_PROMPT = [("p1", 1.0), ("p2", 1.0), ("p3", 1.0), ("p4", 0.0)]
+
+
+def log_by_prompt(tracker, run_name, scores):
+    """The eval stage's per-prompt table on run_name's round-0 eval child."""
+    _, records = collect(tracker.client, tracker.experiment_name, [run_name])
+    rows = [{"prompt": p, "gold_before": 0.0, "gold_after": g} for p, g in scores]
+    tracker.sink(records[0].children["eval"]).log_table(BY_PROMPT_TABLE, rows)
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A tracker and the parent run ids of runs alpha and beta (read only, but for compare's figure
-    artifact under compare/)."""
+    artifact under compare/); round 0 of each has its per-prompt gold table."""
     tracker = tracker_at(tmp_path_factory.mktemp("mlflow"))
-    return tracker, {"alpha": record_run(tracker, "alpha", ALPHA), "beta": record_run(tracker, "beta", BETA)}
+    parents = {"alpha": record_run(tracker, "alpha", ALPHA), "beta": record_run(tracker, "beta", BETA)}
+    log_by_prompt(tracker, "alpha", ALPHA_BY_PROMPT)
+    log_by_prompt(tracker, "beta", BETA_BY_PROMPT)
+    return tracker, parents
 
 
 def price_file(tmp_path, price: float) -> str:
@@ -151,9 +169,11 @@ def test_compare_prints_the_table_and_saves_and_logs_the_figure(store, tmp_path,
     assert command_compare(args) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].split()[-1] == "cost_EUR" and printed[1].split()[:2] == ["alpha", "0"]
+    assert printed[4].split() == ["gold_after", "paired", "with", "alpha", "diff", "stderr", "prompts"]
+    assert printed[5].split() == ["beta", "r0", "+0.2500", "0.4787", "4"]
     assert (
-        len(printed) == 5
-        and printed[4] == f"figure: {out} (also the MLflow artifact compare/cmp.png of each run's parent run)"
+        len(printed) == 7
+        and printed[6] == f"figure: {out} (also the MLflow artifact compare/cmp.png of each run's parent run)"
     )
     assert out.read_bytes().startswith(b"\x89PNG")
     for parent_id in parents.values():
@@ -170,3 +190,18 @@ def test_a_run_or_experiment_that_is_not_there_is_named(store):
         collect(tracker.client, "other", ["alpha"])
     with pytest.raises(ConfigError, match="cannot contain a quote"):
         collect(tracker.client, "rlflow", ["al'pha"])
+
+
+def test_a_later_run_is_paired_with_the_first_per_prompt_on_the_same_round(store):
+    tracker, _ = store
+    _, records = collect(tracker.client, "rlflow", ["alpha", "beta"])
+    by_prompt = {(r.run, r.round_index): gold_by_prompt(tracker.client, r) for r in records}
+    assert by_prompt[("alpha", 0)] == (["p1", "p2", "p3", "p4"], [0.0, 0.0, 1.0, 1.0])
+    assert by_prompt[("alpha", 1)] is None  # its eval child has no table
+    # differences [1, 1, 0, -1]: mean 0.25, sample variance 2.75 / 3, stderr sqrt(0.9167 / 4) = 0.4787
+    assert format_paired(records, by_prompt)[1].split() == ["beta", "r0", "+0.2500", "0.4787", "4"]
+    assert format_paired(records[:2], by_prompt) == []  # one run: nothing to pair
+    without = by_prompt | {("beta", 0): None}
+    assert "no per-prompt scores" in format_paired(records, without)[1]
+    shuffled = by_prompt | {("beta", 0): (["p2", "p1", "p3", "p4"], [1.0, 1.0, 1.0, 0.0])}
+    assert format_paired(records, shuffled)[1].endswith("other held-out prompts than alpha's: not paired")

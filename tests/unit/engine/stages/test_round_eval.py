@@ -15,7 +15,14 @@ from rlflow.engine.errors import DataError
 from rlflow.engine.models.loading import load_policy, load_tokenizer
 from rlflow.engine.promotion.gates import decide_promotion
 from rlflow.engine.stages.evaluation import PolicyEvaluation, response_nll_by_row
-from rlflow.engine.stages.round_eval import RESULTS_FILE, EvalUpstream, paired_metrics
+from rlflow.engine.stages.round_eval import (
+    BY_PROMPT_TABLE,
+    RESULTS_FILE,
+    EvalUpstream,
+    gold_by_prompt,
+    paired_metrics,
+    prompt_digest,
+)
 
 
 def evaluation(small_assets, tmp_path, start, final, gold, **data):
@@ -45,10 +52,28 @@ def test_evaluation_measures_start_and_final_policy_on_the_same_prompts_and_seed
     row = {k.removesuffix("_after"): v for k, v in m.items()} | {"kl": 0.0, "gold_score_after": m["gold_score_after"]}
     gates = [*PromotionConfig().gates, PromotionGate(metric="valid_drop_z", max=2.0)]
     assert decide_promotion(row, gates + [PromotionGate(metric="gold_gain_z", min=0.0)]).promoted
-    assert set(sink.tables) == {"eval_samples_before.json", "eval_samples_after.json"}
+    assert set(sink.tables) == {"eval_samples_before.json", "eval_samples_after.json", BY_PROMPT_TABLE}
     results = ctx.store.read_json(0, RESULTS_FILE)
     assert len(results["after"]["samples"]) == 3
     assert results["before"]["metrics"]["eval/gold_score"] == m["gold_score_before"]
+    # each prompt's gold before and after, under its digest: what `rlflow compare` pairs two runs on
+    rows = results["by_prompt"]
+    assert sink.tables[BY_PROMPT_TABLE] == rows and len(rows) == 6 and len({r["prompt"] for r in rows}) == 6
+    assert sum(r["gold_after"] for r in rows) / 6 == pytest.approx(m["gold_score_after"])
+    assert all(r["gold_before"] == r["gold_after"] for r in rows)
+
+
+def test_a_prompts_digest_names_its_token_ids_in_order():
+    assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3)) and len(prompt_digest([1])) == 16
+    assert len({prompt_digest(ids) for ids in ([1, 2, 3], [12, 3], [1, 23], [3, 2, 1])}) == 4
+    before = PolicyEvaluation({}, [], (0.0, 1.0), (1.0, 1.0))
+    after = PolicyEvaluation({}, [], (1.0, 1.0), (1.0, 1.0))
+    assert gold_by_prompt([[5], [6, 7]], before, after) == [
+        {"prompt": prompt_digest([5]), "gold_before": 0.0, "gold_after": 1.0},
+        {"prompt": prompt_digest([6, 7]), "gold_before": 1.0, "gold_after": 1.0},
+    ]
+    with pytest.raises(ValueError):  # a score per prompt, or it is not a table of them
+        gold_by_prompt([[5]], before, after)
 
 
 def test_the_judges_gain_and_its_agreement_with_the_reward_model_are_paired_by_prompt():
