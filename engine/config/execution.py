@@ -1,5 +1,5 @@
 """Config sections of how a run executes: checkpoints and resume, per-stage policies, safety
-guards and alerts, tracking, the engine and its resources, the rollout worker and GPU placement.
+guards and alerts, tracking, the engine and its resources, the rollout replicas and GPU placement.
 Assembled into `Config` by engine/config/schema.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from rlflow.engine.config.base import Section, neutral
 
-TRANSPORT = "how samples and weights travel to the rollout worker, not what is sampled"
+TRANSPORT = "how samples and weights travel to the rollout replicas, not what is sampled"
 SPREAD = "where rows are sampled, not what: each row has its own seed (vLLM's batching may move last digits)"
 SYNC_GUARD = "a check of every weight sync: it stops a run, never changes what is trained"
 
@@ -199,19 +199,19 @@ class RolloutConfig(Section):
     bucket_mb: Annotated[float, neutral(TRANSPORT)] = Field(256.0, gt=0)
     """Weight-sync bucket size (MB): a sync costs one round trip per bucket."""
     check_fingerprint: Annotated[bool, neutral(SYNC_GUARD)] = True
-    """Compare the sha256 fingerprints of the trainer's and the worker's weights after every sync; a
+    """Compare the sha256 fingerprints of the trainer's and the replica's weights after every sync; a
     mismatch stops the run."""
     off_policy_steps: int = Field(0, ge=0, le=64)
-    """k: the worker samples the batch of step t+k while the trainer trains step t (mode server only);
+    """k: the replica samples the batch of step t+k while the trainer trains step t (mode server only);
     batch t is sampled by the actor after max(0, t-1-k) steps, whatever the machine's speed, so runs
     stay reproducible and resume exactly. 0: synchronous, each batch sampled by the current actor."""
     async_: bool = Field(False, alias="async")
-    """Fully asynchronous sampling (mode server only): the worker samples continuously into a buffer
+    """Fully asynchronous sampling (mode server only): the replica samples continuously into a buffer
     the trainer takes each step's groups from, and weights go to it without waiting for the samples
     in flight. Unlike off_policy_steps, timing decides which version samples what, so a resumed run
     continues rather than repeats (docs/replicas.md)."""
     max_staleness: int = Field(1, ge=0, le=64)
-    """With async: the most versions a trained sample may lag the trainer's policy; the worker starts
+    """With async: the most versions a trained sample may lag the trainer's policy; the replica starts
     no sample that could exceed it, and one that would (after a resume with a lower bound) is dropped
     and counted in rollout/dropped_stale."""
     partial_rollouts: bool = False
@@ -224,15 +224,15 @@ class RolloutConfig(Section):
     """CPU threads of each replica: hf, its torch threads (None: the trainer's count, so both compute
     alike); vllm, cores of its own, which the trainer leaves to it (None: vLLM's choice)."""
     probe_rows: Annotated[int, neutral(SYNC_GUARD)] = Field(4, ge=1)
-    """Rows the worker samples, and the trainer rescores, right after each weight sync when
+    """Rows the replica samples, and the trainer rescores, right after each weight sync when
     off_policy_steps > 0 or async (the guard compares both under the same version). At 0 the log-probs of
     every sampled row are compared instead, as PPO's old log-probs."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """The dtype the worker samples in (mode server). bfloat16 halves a sync's bytes and, on a GPU,
+    """The dtype the replica samples in (mode server). bfloat16 halves a sync's bytes and, on a GPU,
     speeds sampling, but its log-probs differ from an fp32 trainer's: correct the gap with
     algorithm.rollout_correction (docs/vllm.md has the measured table)."""
     max_logprob_diff: Annotated[float | None, neutral(SYNC_GUARD)] = Field(None, gt=0)
-    """Largest |trainer - worker| log-prob difference of a sampled token after a sync, in nats; above
+    """Largest |trainer - replica| log-prob difference of a sampled token after a sync, in nats; above
     it the run stops. None: the measured stop of the sampler (server_backend, dtype), LOGPROB_DIFF_STOPS."""
     vllm_python: Annotated[str, neutral(TRANSPORT)] = ".venv-vllm/bin/python"
     """Interpreter of the separate vLLM environment."""
@@ -252,9 +252,9 @@ class RolloutConfig(Section):
     each side reads its credentials from its own environment, never from the config."""
     trainer_address: Annotated[str, neutral(TRANSPORT)] = "127.0.0.1"
     """The address external replicas reach the trainer at: its gloo TCPStore, for weights."""
-    startup_timeout_s: Annotated[float, neutral("a time limit of the worker's start")] = Field(300.0, gt=0)
-    """How long the rollout worker may take to become ready, in seconds."""
-    response_timeout_s: Annotated[float, neutral("a time limit of the worker's replies")] = Field(1800.0, gt=0)
+    startup_timeout_s: Annotated[float, neutral("a time limit of the replica's start")] = Field(300.0, gt=0)
+    """How long the rollout replicas may take to become ready, in seconds."""
+    response_timeout_s: Annotated[float, neutral("a time limit of the replica's replies")] = Field(1800.0, gt=0)
     """Longest wait for one answer of a replica (a row's samples, a weight bucket), in seconds; a request
     unanswered that long stops the run (or drops the replica from a fleet) with an error naming it."""
 
@@ -312,13 +312,13 @@ class RolloutConfig(Section):
     def _check_async(self) -> RolloutConfig:
         if self.async_ and self.mode != "server":
             raise ValueError(
-                "rollout.async=true samples in a separate worker while the trainer trains: it needs"
+                "rollout.async=true samples in a rollout replica while the trainer trains: it needs"
                 " rollout.mode=server (got colocated); set rollout.mode=server or rollout.async=false"
             )
         if self.async_ and self.off_policy_steps:
             raise ValueError(
                 f"rollout.async=true and rollout.off_policy_steps={self.off_policy_steps} are two schedules of the"
-                " worker: keep one (rollout.off_policy_steps=0 with async; rollout.max_staleness bounds the lag)"
+                " replicas: keep one (rollout.off_policy_steps=0 with async; rollout.max_staleness bounds the lag)"
             )
         if self.partial_rollouts and not self.async_:
             raise ValueError(
@@ -336,7 +336,7 @@ class RolloutConfig(Section):
 
     @property
     def samples_ahead(self) -> bool:
-        """Whether the worker samples ahead of training (a checkpoint keeps what it sampled)."""
+        """Whether the replica samples ahead of training (a checkpoint keeps what it sampled)."""
         return self.async_ or self.off_policy_steps > 0
 
     @property
@@ -352,5 +352,5 @@ class PlacementConfig(Section):
     """GPUs of the training ranks, as indices into the visible GPUs (after CUDA_VISIBLE_DEVICES
     renumbering); None: every visible GPU."""
     rollout: list[int] | None = None
-    """GPUs of the rollout worker (rollout.mode=server), as indices into the visible GPUs; None: every
+    """GPUs of the rollout replicas (rollout.mode=server), as indices into the visible GPUs; None: every
     visible GPU."""

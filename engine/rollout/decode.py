@@ -138,7 +138,7 @@ def _rotary_pairs(rows: torch.Tensor, heads: int) -> torch.Tensor:
 def decoder_weights(model: torch.nn.Module, batch: int) -> DecoderWeights:
     """`model`'s weights (LoRA adapters merged, as rlflow.engine.models.lora computes them) in this loop's
     layout: a copy, built per call (~0.14 s at SmolLM2, against ~1.5 s of sampling). Not cached:
-    a training step changes every weight anyway, and a rollout worker writes its weights through
+    a training step changes every weight anyway, and a rollout replica writes its weights through
     numpy, which no torch version counter sees, so a cache could serve stale weights."""
     from rlflow.engine.models.lora import merged_named_parameters
 

@@ -79,6 +79,11 @@ class _Batch:
     def complete(self) -> bool:
         return len(self.rows) == self.key.rows
 
+    @property
+    def abandoned(self) -> bool:
+        """Every row that came was given up by its caller (timed out): the rest will not come."""
+        return not self.complete and all(future.cancelled() for _, future in self.rows.values())
+
 
 class HFModel:
     """A transformers causal LM on the CPU, sampling exactly like `generate_rollouts`."""
@@ -145,6 +150,8 @@ class HFSampler:
     def submit(self, request: RowRequest) -> Future:
         future: Future = Future()
         with self.cond:
+            for name in [k for k, b in self.batches.items() if b.abandoned]:  # they would wait forever
+                del self.batches[name]
             if request.key is None:
                 self._loose += 1
                 key = BatchKey(f"row-{self._loose}", 1, request.seed, 0)

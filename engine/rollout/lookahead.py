@@ -1,7 +1,7 @@
-"""rollout.off_policy_steps = k: the worker samples the batch of step s+k while the trainer trains
+"""rollout.off_policy_steps = k: the replica samples the batch of step s+k while the trainer trains
 step s, on a schedule that does not depend on timing.
 
-Version v is the actor after v complete training steps. The worker holds version s-1 during step s
+Version v is the actor after v complete training steps. The replica holds version s-1 during step s
 (it gets the weights after each step), and the batch of step s+k is submitted at the start of step
 s, so batch t is sampled by version max(0, t-1-k): a pure function of t. What each step samples
 (prompts, seeds) is a pure function of the step too (`plan`), so the batches already sampled when
@@ -11,7 +11,7 @@ checkpoint keeps them (`state_dict`) and a restarted run trains on exactly the s
     sampler = Lookahead(client, k, plan, last_step, version=0)
     sampled = sampler.take(step)       # submits steps up to step+k, waits for step's samples
     ...train step...
-    sampler.drain()                    # everything submitted, collected: the worker is idle
+    sampler.drain()                    # everything submitted, collected: the replica is idle
     ...client.update_weights(...); sampler.version = step...
 """
 
@@ -43,7 +43,7 @@ def chunk_spans(prompts: Sequence[Sequence[int]], seed: int, generate_batch: int
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the worker samples for one step."""
+    """What the replica samples for one step."""
 
     chunks: list[ChunkSpan]
     params: SamplingParams
@@ -51,9 +51,9 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SampledStep:
-    """A step's samples from the worker: one (response ids, log-probs) pair per chunk, in chunk order."""
+    """A step's samples from the replica: one (response ids, log-probs) pair per chunk, in chunk order."""
 
-    version: int  # the policy version the worker held: completed training steps
+    version: int  # the policy version the replica held: completed training steps
     chunks: list[tuple[list[list[int]], list[list[float]]]]
 
     def to_json(self) -> dict[str, Any]:
@@ -80,10 +80,10 @@ def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) 
 
 
 class Lookahead:
-    """The worker's queue of steps ahead of the trainer, on rank 0 (see the module docstring).
+    """The replica's queue of steps ahead of the trainer, on rank 0 (see the module docstring).
 
     Requests are answered in order, so the outstanding queue is a FIFO of (step, chunks left).
-    `waited_s` adds up the seconds the trainer blocked on the worker's samples."""
+    `waited_s` adds up the seconds the trainer blocked on the replica's samples."""
 
     def __init__(
         self,
@@ -110,7 +110,7 @@ class Lookahead:
                 self._submit(ahead)
         while step not in self.buffer:
             if not self.queue:
-                raise RuntimeError(f"step {step}'s samples were never submitted to the rollout worker")
+                raise RuntimeError(f"step {step}'s samples were never submitted to the rollout replica")
             self._collect_one()
         return self.buffer.pop(step)
 
@@ -130,7 +130,7 @@ class Lookahead:
         return probe
 
     def drain(self) -> None:
-        """Collect everything submitted, so the worker is idle (before a weight update)."""
+        """Collect everything submitted, so the replica is idle (before a weight update)."""
         while self.queue:
             self._collect_one()
 
@@ -151,9 +151,9 @@ class Lookahead:
             self.probe = generation
             return
         held = {v for row in generation.versions or [] for v in row}
-        if held - {self.version}:  # the worker's own tag: the weights it sampled with
+        if held - {self.version}:  # the replica's own tag: the weights it sampled with
             raise RuntimeError(
-                f"step {step}: the rollout worker sampled with policy version(s) {sorted(held)}, the schedule"
+                f"step {step}: the rollout replica sampled with policy version(s) {sorted(held)}, the schedule"
                 f" expected {self.version}: a weight update reached it out of turn"
             )
         self.partial.append((generation.response_ids, generation.logprobs))

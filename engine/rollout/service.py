@@ -1,13 +1,13 @@
-"""PPO's rollouts from a separate worker process (`rollout.mode: server`), with the sync guard.
+"""PPO's rollouts from rollout replicas (`rollout.mode: server`), with the sync guard.
 
-Rank 0 owns the worker. It samples every chunk of a step (chunk c with the same seed colocated
+Rank 0 owns the replica. It samples every chunk of a step (chunk c with the same seed colocated
 sampling would use), and each rank takes its chunks' token ids. After every optimizer step the
-actor's weights go to the worker in buckets; the trainer then compares weight fingerprints and
-the worker's log-probs against its own under the same weights: a skipped or partial sync stops
+actor's weights go to the replica in buckets; the trainer then compares weight fingerprints and
+the replica's log-probs against its own under the same weights: a skipped or partial sync stops
 the run. Synchronously (off_policy_steps 0) the probe is every sampled row, whose trainer
 log-probs PPO computes anyway as its old log-probs; off-policy and asynchronously, the sampled rows
 are older than the trainer's weights, so a few rows sampled right after the sync are rescored
-instead. Asynchronously (rollout.async) the worker samples on while the weights go out
+instead. Asynchronously (rollout.async) the replica samples on while the weights go out
 (engine/rollout/streaming.py), and each step trains on the groups its buffer holds.
 """
 
@@ -41,13 +41,13 @@ class RolloutService:
     client: Any = None  # the ReplicaFleet (engine/rollout/replicas.py) on rank 0, None elsewhere
     tokenizer: Any = None
     trainer_fingerprint: str | None = None  # at the last sync (rank 0)
-    worker_fingerprint: str | None = None
+    replica_fingerprint: str | None = None
     lookahead: Lookahead | None = None  # off_policy_steps > 0, rank 0: the steps sampled ahead
     plan: Callable[[int], StepPlan] | None = None  # samples_ahead: what each step samples (its probe)
     stream: AsyncSampler | None = None  # rollout.async, rank 0: the continuous stream
-    version: int = 0  # the policy version the worker holds (completed training steps)
+    version: int = 0  # the policy version the replica holds (completed training steps)
     taken: tuple[int, SampledStep | TakenGroups] | None = None  # the last step's samples (a step run again reuses them)
-    worker_idle_s: float | None = None  # the replicas' idle seconds, cumulative, at the last report
+    replica_idle_s: float | None = None  # the replicas' idle seconds, cumulative, at the last report
     probe: tuple[list, SamplingParams] | None = None  # off-policy: the probe sent after the last sync
     probe_id: int | None = None  # async: its request id
     probe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # its check's figures
@@ -63,7 +63,7 @@ class RolloutService:
         cuda_visible_devices: str | None = None,
         ahead: AheadStart | None = None,
     ):
-        """Start the worker on rank 0 (on `cuda_visible_devices`: placement.rollout) and send it
+        """Start the replica on rank 0 (on `cuda_visible_devices`: placement.rollout) and send it
         the actor's current weights (a resumed actor differs from `model_dir`). With
         cfg.off_policy_steps > 0, `ahead` says what each step samples and where the run stands.
         A collective under ZeRO-3."""
@@ -73,7 +73,7 @@ class RolloutService:
 
             client = start_sampler(cfg, model_dir, tokenizer, log_path, cuda_visible_devices)
         service = cls(cfg, client, tokenizer)
-        service.worker_idle_s = client.idle_s() if client is not None else None
+        service.replica_idle_s = client.idle_s() if client is not None else None
         if cfg.samples_ahead:
             if ahead is None:
                 raise ValueError("rollout.off_policy_steps > 0 and rollout.async need the step plan (AheadStart)")
@@ -97,7 +97,7 @@ class RolloutService:
     @property
     def checks_batches(self) -> bool:
         """Whether each sampled batch is the sync guard's probe: synchronous sampling, where the
-        worker sampled with the very weights the trainer scores it with."""
+        replica sampled with the very weights the trainer scores it with."""
         return not self.cfg.samples_ahead
 
     def sample_chunks(
@@ -127,7 +127,7 @@ class RolloutService:
                     sampled, logprobs = dist.all_gather_json([sampled, logprobs] if dist.is_main() else None)[0]
             generations = [Generation(ids, lps) for ids, lps in zip(sampled, logprobs)]
         if len(generations) != len(chunks):
-            raise RuntimeError(f"step {step}: the worker returned {len(generations)} chunks, {len(chunks)} requested")
+            raise RuntimeError(f"step {step}: the replica returned {len(generations)} chunks, {len(chunks)} requested")
         mine: dict[int, RolloutBatch] = {}
         for (c, prompts, _), generation in zip(chunks, generations):
             if c % dist.world_size() == dist.rank():
@@ -165,20 +165,20 @@ class RolloutService:
         return self.taken[1].groups
 
     def check(self, batch: RolloutBatch, trainer_logprobs: torch.Tensor) -> tuple[float, float, float]:
-        """Guard one chunk: the trainer's log-probs [b, R] of the worker's samples (PPO's old
-        log-probs) against the worker's own (batch.sampled_logprobs); fingerprints too (rank 0,
+        """Guard one chunk: the trainer's log-probs [b, R] of the replica's samples (PPO's old
+        log-probs) against the replica's own (batch.sampled_logprobs); fingerprints too (rank 0,
         once after each sync). Raises WeightSyncError; returns (sum of |diff| in nats, tokens, max |diff|)."""
         compare_fingerprints = self.cfg.check_fingerprint and self.trainer_fingerprint is not None
         result = check_weight_sync(
             self.trainer_fingerprint,
-            self.worker_fingerprint,
+            self.replica_fingerprint,
             trainer_logprobs,
             batch.sampled_logprobs,
             batch.response_mask,
             self.cfg.logprob_diff_stop,
             compare_fingerprints,
         )
-        self.trainer_fingerprint = self.worker_fingerprint = None  # compared: until the next sync
+        self.trainer_fingerprint = self.replica_fingerprint = None  # compared: until the next sync
         return result.logprob_diff_mean * result.tokens, float(result.tokens), result.logprob_diff_max
 
     @staticmethod
@@ -192,13 +192,13 @@ class RolloutService:
         }
 
     def sync(self, actor: TrainEngine, version: int, step: int = 0) -> dict[str, float]:
-        """Send the actor's weights (policy version `version`) to the worker; record both
-        fingerprints; off-policy, first collect what the worker sampled ahead, and after them send
-        the probe of the new weights (`verify_sync`). Asynchronously the worker takes them between
+        """Send the actor's weights (policy version `version`) to the replica; record both
+        fingerprints; off-policy, first collect what the replica sampled ahead, and after them send
+        the probe of the new weights (`verify_sync`). Asynchronously the replica takes them between
         two generations (or two tokens: partial rollouts), the probe goes first after them and the
         stream is topped up. A collective under ZeRO-3."""
         metrics: dict[str, float] = {}
-        if self.lookahead is not None:  # the worker finishes the steps ahead with the old weights
+        if self.lookahead is not None:  # the replica finishes the steps ahead with the old weights
             waited = self.lookahead.waited_s
             metrics["timing_s/gen"] = timed_call(self.lookahead.drain)
             metrics["timing_s/wait_rollout"] = self.lookahead.waited_s - waited
@@ -220,7 +220,7 @@ class RolloutService:
             stats = self.client.update_weights(params, self.cfg.bucket_mb, version=version, meanwhile=meanwhile)
             metrics |= {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
             if self.cfg.check_fingerprint:
-                self.worker_fingerprint = self.client.fingerprint()
+                self.replica_fingerprint = self.client.fingerprint()
         self.version = version
         if self.lookahead is not None:
             self.lookahead.version = version
@@ -232,7 +232,7 @@ class RolloutService:
         return metrics
 
     def _submit_probe(self, step: int) -> None:
-        """The guard of an off-policy sync, sent right behind the weights: the worker samples
+        """The guard of an off-policy sync, sent right behind the weights: the replica samples
         `probe_rows` prompts of step+1's plan with them, ahead of anything else; `verify_sync`
         rescores them before the trainer's next update, when its weights are still these."""
         plan = self.plan(step + 1)
@@ -246,7 +246,7 @@ class RolloutService:
             self.probe_id = self.client.submit(self.probe[0], params, step_seed(seed, PROBE_STREAM), priority=True)
 
     def verify_sync(self, actor: TrainEngine) -> dict[str, float]:
-        """Off-policy, before the update: the trainer's log-probs of the probe the worker sampled
+        """Off-policy, before the update: the trainer's log-probs of the probe the replica sampled
         after the last sync, under the same weights (the actor is not updated since). Raises
         WeightSyncError; returns rollout/logprob_diff_mean and _max (the same again if the step runs
         again) and times timing_s/sync_probe. Synchronous: nothing (every batch is checked)."""
@@ -264,7 +264,7 @@ class RolloutService:
             if held - {self.version}:
                 raise RuntimeError(
                     f"the weight-sync probe was sampled by policy version(s) {sorted(held)}, not the synced"
-                    f" {self.version}: the worker applied the weights out of turn"
+                    f" {self.version}: the replica applied the weights out of turn"
                 )
             sampled = [generation.response_ids, generation.logprobs]
         if dist.world_size() > 1:
@@ -282,10 +282,10 @@ class RolloutService:
         replicas that report it: the HF replica)."""
         if self.client is None:
             return {}
-        before, self.worker_idle_s = self.worker_idle_s, self.client.idle_s()
-        if before is None or self.worker_idle_s is None:
+        before, self.replica_idle_s = self.replica_idle_s, self.client.idle_s()
+        if before is None or self.replica_idle_s is None:
             return {}
-        return {"timing_s/wait_train": self.worker_idle_s - before}
+        return {"timing_s/wait_train": self.replica_idle_s - before}
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (rank 0): the samples of every step not yet trained on, the one
@@ -312,9 +312,9 @@ PROBE_STREAM = 9  # the probe's seed stream, apart from the step's chunks
 
 @dataclass(frozen=True)
 class AheadStart:
-    """Where an off-policy or asynchronous run stands when its worker starts."""
+    """Where an off-policy or asynchronous run stands when its replica starts."""
 
-    plan: Callable[[int], StepPlan]  # step -> what the worker samples for it (async: its probe)
+    plan: Callable[[int], StepPlan]  # step -> what the replica samples for it (async: its probe)
     last_step: int  # nothing past it is sampled
     version: int  # the actor's version: completed training steps (the resumed step)
     buffer: dict[str, Any]  # RolloutService.state_dict() of the resumed checkpoint ({} when fresh)

@@ -1,12 +1,12 @@
-"""rollout.async: the worker samples without pause into a bounded buffer; each step takes its groups.
+"""rollout.async: the replica samples without pause into a bounded buffer; each step takes its groups.
 
 The stream is endless: group g is rollout.n samples of prompt `prompt_of(g)`. Requests of a few
-groups go to the worker as far as the staleness bound S allows, so sampling runs while the
+groups go to the replica as far as the staleness bound S allows, so sampling runs while the
 trainer trains and weight updates go out without waiting for it. Version v is the actor after v
 training steps; step s trains with version s-1, and a row's version is its oldest token's (a
 partial rollout spans several).
 
-Why nothing trained is staler than S: with the worker at version V (every submission follows
+Why nothing trained is staler than S: with the replica at version V (every submission follows
 the sync of V) and T groups trained, a group submitted when (V + S + 1)·B − T groups are already
 outstanding (ready or in flight) would be trained at step V + S + 2 or later, S + 1 versions behind
 at least; so no more are submitted (B = groups per step). A group that still lags more when taken
@@ -80,7 +80,7 @@ def oldest_version(versions: Sequence[Sequence[int]]) -> int:
 
 
 class AsyncSampler:
-    """The worker's continuous stream on rank 0 (see the module docstring). `waited_s` adds up
+    """The replica's continuous stream on rank 0 (see the module docstring). `waited_s` adds up
     the seconds the trainer blocked on samples."""
 
     def __init__(
@@ -129,7 +129,7 @@ class AsyncSampler:
 
     def take(self, step: int) -> TakenGroups:
         """Step `step`'s B groups (trained by version step-1), oldest first; a group staler than
-        the bound is dropped. Tops the buffer up before returning, so the worker samples on."""
+        the bound is dropped. Tops the buffer up before returning, so the replica samples on."""
         taken: list[TakenGroups] = []
         self.buffered = len(self.ready)
         while len(taken) < self.shape.per_step:
@@ -157,7 +157,7 @@ class AsyncSampler:
         generation = self.client.collect(request)
         self.waited_s += time.monotonic() - started
         if generation.versions is None:
-            raise RuntimeError("the rollout worker's reply carries no token versions; asynchronous rollout needs them")
+            raise RuntimeError("the rollout replica's reply carries no token versions; asynchronous rollout needs them")
         self.ready.extend(TakenGroups(groups, *generation).split(self.shape.size))
 
     def metrics(self) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""Moving trainer weights into a rollout worker, and the guard that proves they arrived.
+"""Moving trainer weights into a rollout replica, and the guard that proves they arrived.
 
-Three pieces, shared by the trainer (`rollout_server`) and every worker backend:
+Three pieces, shared by the trainer (`rollout_server`) and every replica backend:
 
 - buckets: many tensors packed into one flat byte buffer (`iter_buckets`, `pack_bucket`,
   `unpack_bucket`), so a sync costs one round trip per ~bucket_mb, not one per tensor;
@@ -32,7 +32,7 @@ DTYPES = {
 
 
 class WeightSyncError(RlflowError):
-    """The rollout worker does not hold the trainer's weights (fingerprint or log-prob check failed)."""
+    """The rollout replica does not hold the trainer's weights (fingerprint or log-prob check failed)."""
 
     def __init__(self, message: str, check: SyncCheck | None = None):
         super().__init__(message)
@@ -111,7 +111,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src), with same-dtype contiguous CPU tensors as one single-threaded memcpy.
 
-    torch's multi-threaded copy_ runs 5-10x slower when trainer and worker share the CPU cores
+    torch's multi-threaded copy_ runs 5-10x slower when trainer and replica share the CPU cores
     (measured: 1.2 vs 9.6 GB/s on 2 busy cores). Anything else (GPU, casts, strides) uses copy_.
     """
     plain = dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
@@ -141,7 +141,7 @@ def tensor_digest(tensor: torch.Tensor, round_to: torch.dtype | None = None) -> 
     """sha256 hex of the tensor's values as little-endian float32, row-major.
 
     Dtype-independent: a bf16/fp16 tensor and its exact fp32 upcast hash the same. `round_to`
-    first rounds the values to that dtype (what a bf16 worker would store after copy_).
+    first rounds the values to that dtype (what a bf16 replica would store after copy_).
     """
     flat = tensor.detach().reshape(-1)
     digest = hashlib.sha256()
@@ -167,8 +167,8 @@ def weights_fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]], round
     """Fingerprint "sha256:<hex>" of all tensors: sorted by name, each as (name, shape, fp32-value digest).
 
     Equal fp32 weights give equal fingerprints bit for bit on any machine, in any iteration order.
-    bf16: values are upcast exactly, so a bf16 trainer and a bf16 worker agree; an fp32 trainer
-    checking a bf16 worker passes `round_to=torch.bfloat16` (its weights as the worker stores them).
+    bf16: values are upcast exactly, so a bf16 trainer and a bf16 replica agree; an fp32 trainer
+    checking a bf16 replica passes `round_to=torch.bfloat16` (its weights as the replica stores them).
     Pass `model.named_parameters()` on both sides (tied weights appear once).
     """
     digests: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -179,7 +179,7 @@ def weights_fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]], round
 
 @dataclass(frozen=True)
 class SyncCheck:
-    """Result of comparing trainer and worker after a weight sync (log-prob diffs in nats)."""
+    """Result of comparing trainer and replica after a weight sync (log-prob diffs in nats)."""
 
     logprob_diff_mean: float  # over masked tokens
     logprob_diff_max: float
@@ -189,38 +189,38 @@ class SyncCheck:
 
 def check_weight_sync(
     trainer_fingerprint: str | None,
-    worker_fingerprint: str | None,
+    replica_fingerprint: str | None,
     trainer_logprobs: torch.Tensor,
-    worker_logprobs: torch.Tensor,
+    replica_logprobs: torch.Tensor,
     mask: torch.Tensor,
     max_logprob_diff: float,
     check_fingerprint: bool,
 ) -> SyncCheck:
     """Compare both sides; raise WeightSyncError if a check fails, else return the numbers.
 
-    trainer_logprobs, worker_logprobs, mask: [N, R] (log-probs of the worker's sampled tokens at
+    trainer_logprobs, replica_logprobs, mask: [N, R] (log-probs of the replica's sampled tokens at
     the sampling temperature; mask 1 on real response tokens). The fingerprint check applies only
-    if `check_fingerprint`; the log-prob check always does (it also catches weights the worker
+    if `check_fingerprint`; the log-prob check always does (it also catches weights the replica
     received but did not apply, and sampler bugs the fingerprint cannot see).
     """
-    if trainer_logprobs.shape != worker_logprobs.shape or trainer_logprobs.shape != mask.shape:
+    if trainer_logprobs.shape != replica_logprobs.shape or trainer_logprobs.shape != mask.shape:
         raise WeightSyncError(
-            f"log-prob probe shapes differ: trainer {tuple(trainer_logprobs.shape)}, worker"
-            f" {tuple(worker_logprobs.shape)}, mask {tuple(mask.shape)}; recompute on the worker's own batch"
+            f"log-prob probe shapes differ: trainer {tuple(trainer_logprobs.shape)}, replica"
+            f" {tuple(replica_logprobs.shape)}, mask {tuple(mask.shape)}; recompute on the replica's own batch"
         )
     keep = mask.bool()
-    diff = (trainer_logprobs.double() - worker_logprobs.double()).abs()[keep]
+    diff = (trainer_logprobs.double() - replica_logprobs.double()).abs()[keep]
     tokens = int(diff.numel())
     mean, worst = (float(diff.mean()), float(diff.max())) if tokens else (0.0, 0.0)
-    if trainer_fingerprint is None or worker_fingerprint is None:
+    if trainer_fingerprint is None or replica_fingerprint is None:
         match = None
     else:
-        match = trainer_fingerprint == worker_fingerprint
+        match = trainer_fingerprint == replica_fingerprint
     check = SyncCheck(mean, worst, tokens, match)
     failures = []
     if check_fingerprint and match is not True:
         failures.append(
-            f"weight fingerprints differ (trainer {_short(trainer_fingerprint)}, worker {_short(worker_fingerprint)};"
+            f"weight fingerprints differ (trainer {_short(trainer_fingerprint)}, replica {_short(replica_fingerprint)};"
             " rollout.check_fingerprint=true)"
         )
     if not worst <= max_logprob_diff:  # also fails on NaN
@@ -230,7 +230,7 @@ def check_weight_sync(
         )
     if failures:
         raise WeightSyncError(
-            "rollout worker is out of sync with the trainer: "
+            "rollout replica is out of sync with the trainer: "
             + "; ".join(failures)
             + ". A weight update was skipped or incomplete: check that update_weights runs after every optimizer"
             " step and sends all parameters (rollout.max_logprob_diff overrides the measured stop of a sampler"

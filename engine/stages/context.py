@@ -77,7 +77,7 @@ class StageContext:
     mirror: CheckpointMirror | None = None  # checkpoint.mirror: a second copy of every committed step
     stop: StopRequest | None = None  # a callback's early stop (in-process stages only)
     overrides: StageOverrides = field(default_factory=StageOverrides)  # an operator's, continuing after a breach
-    rollout_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the RL stage's rollout worker (placement.rollout)
+    rollout_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the RL stage's rollout replica (placement.rollout)
 
     def __post_init__(self) -> None:
         # Every logged step reports checkpoint/mirror_lag_steps without the stage loops knowing.

@@ -20,7 +20,7 @@ def start_worker(root: Path, tree: dict, call: StageCall, fault: str | None) -> 
     write_spec(str(spec), redact(build_config(tree, "test").model_dump(mode="json")), call, str(root / "outcome.json"))
     env = dict(os.environ, RLFLOW_SECRETS="{}", OMP_NUM_THREADS="1")
     env.pop("RLFLOW_FAULT", None)
-    if fault:  # "<event>:<step>" of this stage, or a whole "<stage>:<event>:<n>" (e.g. the rollout worker's)
+    if fault:  # "<event>:<step>" of this stage, or a whole "<stage>:<event>:<n>" (e.g. the rollout replica's)
         env["RLFLOW_FAULT"] = fault if fault.count(":") == 2 else f"{call.stage}:{fault}"
     command = [sys.executable, "-m", "rlflow.engine.stages.worker", str(spec)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

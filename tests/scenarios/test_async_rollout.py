@@ -63,7 +63,7 @@ def rollout_worker_pid(trainer_pid: int) -> int | None:
 
 
 def kill_after_a_checkpoint(proc, store: CheckpointStore, newer_than: int, victim: str, delay_s: float) -> None:
-    """SIGKILL the trainer `proc` or its rollout worker `delay_s` after the trainer commits a step
+    """SIGKILL the trainer `proc` or its rollout replica `delay_s` after the trainer commits a step
     past `newer_than` (nothing if it ended first). A step takes ~0.2 s here."""
     deadline = time.monotonic() + 240
     while proc.poll() is None and (store.latest() or 0) <= newer_than and time.monotonic() < deadline:

@@ -121,7 +121,7 @@ class RLModels:
     tokenizer: Any
     scoring: ScoringModels  # reward model, reference, SFT policy, gold (evaluation only)
     runtime: Runtime
-    rollout: RolloutService | None = None  # rollout.mode=server: samples come from a worker process
+    rollout: RolloutService | None = None  # rollout.mode=server: samples come from rollout replicas
     reward: RewardSource | None = None  # None: the reward model alone (no failure handling, as in evaluation)
     episodes: EpisodeSampler | None = None  # env: rollouts and evaluations are multi-turn episodes
 

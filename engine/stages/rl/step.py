@@ -190,7 +190,7 @@ def single_pass_possible(models: RLModels, cfg: RLConfig, update_actor: bool, gr
     drawn here or off-policy. Its forwards then run on exactly the weights of the proximal policy
     (the sampler's, or off-policy the trainer's before the update: the behaviour policy's gap is
     the rollout correction's), so they are the old log-probs and values (PPO's ratio is exactly 1
-    there) and the two scoring passes are skipped, not approximated. A synchronous rollout worker
+    there) and the two scoring passes are skipped, not approximated. A synchronous rollout replica
     needs the old log-probs first: they are its weight-sync probe."""
     rows, runtime = cfg.rollout_batch * group_size, models.runtime
     if not (update_actor and cfg.epochs == 1 and cfg.mini_batch == cfg.rollout_batch and dist.world_size() == 1):
@@ -274,14 +274,14 @@ def after_update(
     models: RLModels, kl_controller: Any, exp: Experience, kl_coef: float, objective: Objective, step: int
 ) -> dict[str, float]:
     """After the updates: the experience's metrics and the reward sources' and episodes'; the rollout
-    worker gets the updated weights; the KL controller moves (unless the KL is a loss term)."""
+    replicas get the updated weights; the KL controller moves (unless the KL is a loss term)."""
     kl_weight = objective.kl_loss_coef if objective.kl_in_loss else kl_coef
     metrics = experience_metrics(exp, kl_weight, models.critic is not None, objective)
     if models.reward is not None:
         metrics |= models.reward.metrics
     if models.episodes is not None:
         metrics |= episode_metrics([t.summary() for t in models.episodes.take()], "env/")
-    if models.rollout is not None:  # the worker samples the next step(s) with the updated actor
+    if models.rollout is not None:  # the replica samples the next step(s) with the updated actor
         add_phases(models.rollout.sync(models.actor, step, step))
         add_phases(models.rollout.idle_metrics())
     if not objective.kl_in_loss:  # with the KL in the loss its coefficient is fixed
@@ -293,8 +293,8 @@ def with_timings(
     metrics: dict[str, float], timings: dict[str, float], seconds: float, exp: Experience
 ) -> dict[str, float]:
     """The step's metrics with its timing_s/* phases, timing_s/step (`seconds`) and timing_s/other: what
-    no phase timed (the rollout worker's figures in the collection are not seconds, and the waits
-    overlap the phases: the trainer's inside gen, the worker's in another process)."""
+    no phase timed (the rollout replica's figures in the collection are not seconds, and the waits
+    overlap the phases: the trainer's inside gen, the replica's in another process)."""
     timings = dict(timings, **{"timing_s/step": seconds})
     phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k not in NOT_PHASES]
     timings["timing_s/other"] = seconds - sum(phases)
@@ -316,7 +316,7 @@ class StepDraw:
 def step_draw(
     prompts: PromptSet, rollout_batch: int, group_size: int, step: int, seed: int, round_index: int, attempt: int = 0
 ) -> StepDraw:
-    """What step `step` samples: a pure function of its arguments (the off-policy worker plans
+    """What step `step` samples: a pure function of its arguments (the off-policy sampler plans
     steps ahead with it). Try 0 draws the step's prompts and seed; a further try of dynamic
     sampling (`attempt` > 0) its own."""
     extra = (attempt,) if attempt else ()
@@ -338,7 +338,7 @@ def stream_prompts(n_prompts: int, cfg: RLConfig, seed: int, round_index: int) -
 
 
 def stream_draw(prompts: PromptSet, prompt_index: Callable[[int], int], groups: list[int], group_size: int) -> StepDraw:
-    """The draw of the stream's `groups` (the seed is unused: their samples come from the worker)."""
+    """The draw of the stream's `groups` (the seed is unused: their samples come from the replica)."""
     index = [prompt_index(g) for g in groups for _ in range(group_size)]
     return StepDraw([prompts.token_ids[i] for i in index], [prompts.records[i] for i in index], 0)
 
@@ -346,7 +346,7 @@ def stream_draw(prompts: PromptSet, prompt_index: Callable[[int], int], groups: 
 def rollout_plan(
     prompts: PromptSet, cfg: RLConfig, objective: Objective, seed: int, round_index: int, generate_batch: int
 ) -> Callable[[int], StepPlan]:
-    """step -> what the rollout worker samples for it: the step's draw, cut into generate requests."""
+    """step -> what the rollout replica samples for it: the step's draw, cut into generate requests."""
 
     def plan(step: int) -> StepPlan:
         draw = step_draw(prompts, cfg.rollout_batch, objective.group_size, step, seed, round_index)

@@ -98,7 +98,7 @@ def test_async_rollout_is_spelled_async_needs_a_worker_and_refuses_what_it_canno
     assert build_config({"rollout": server | {"off_policy_steps": 2}}, "t").rollout.staleness_bound == 2
     refusals = {
         "needs rollout.mode=server \\(got colocated\\); set rollout.mode=server": {"async": True},
-        "two schedules of the worker: keep one": server | {"async": True, "off_policy_steps": 1},
+        "two schedules of the replicas: keep one": server | {"async": True, "off_policy_steps": 1},
         "partial_rollouts=true continues .* set rollout.async=true": server | {"partial_rollouts": True},
         "unknown key 'rollout.async_' in rollout; valid keys: async, bucket_mb": {"async_": True},
     }

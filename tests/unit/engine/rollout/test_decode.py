@@ -120,7 +120,7 @@ def test_a_weight_update_is_picked_up():
     model = tiny("llama")
     ids, attention = prompts()
     before = decode(model, ids, attention, 0.0, 1.0, 12, [STOP], PAD, 0).tokens
-    with torch.no_grad():  # through numpy, as a rollout worker's weight sync writes: no version bump
+    with torch.no_grad():  # through numpy, as a rollout replica's weight sync writes: no version bump
         model.model.layers[0].mlp.up_proj.weight.numpy()[:] *= -1.5
     assert not torch.equal(decode(model, ids, attention, 0.0, 1.0, 12, [STOP], PAD, 0).tokens, before)
     after = decode(model, ids, attention, 0.0, 1.0, 12, [STOP], PAD, 0).tokens

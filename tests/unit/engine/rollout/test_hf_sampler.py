@@ -97,3 +97,14 @@ def test_what_the_sampler_refuses_it_names(hf_model):
     name, param = next(iter(hf_model.params.items()))
     with pytest.raises(SamplerError, match=rf"parameter '{name}' has shape .*, the update \(1,\)"):
         hf_model.load([(name, torch.zeros(1))])
+
+
+def test_a_batch_whose_rows_all_timed_out_is_dropped_not_kept_forever(hf_model):
+    sampler = HFSampler(hf_model, timeout_s=30)
+    first, second = rows("lost", seed=0)[:2]
+    sampler.submit(first).cancel()  # its caller gave up (the replica's row timeout); row 2 never came
+    waiting = sampler.submit(second)  # one row still waited on: the batch stays
+    assert list(sampler.batches) == [("lost", 3)]
+    waiting.cancel()
+    sampler.submit(rows("next", seed=1)[0])
+    assert list(sampler.batches) == [("next", 3)]

@@ -1,5 +1,5 @@
-"""PPO with its rollouts from an `hf` worker process (rollout.mode=server): the same numbers as
-colocated sampling, the guard metrics every step, and a skipped or partial weight sync inside the
+"""PPO with its rollouts from a replica (rollout.mode=server: HF, and vLLM as an external fleet): the
+same numbers as colocated sampling, the guard metrics every step, and a skipped or partial weight sync inside the
 PPO loop stops the stage; and the service's own bookkeeping (chunks, the guard, its metrics)."""
 
 import pytest
@@ -45,7 +45,7 @@ def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets
         assert [v for _, v in served.series(key)] == pytest.approx(expected, abs=1e-4), key
     diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
     assert len(diffs) == STEPS and max(diffs) < 1e-4  # the guard ran every step and saw agreement
-    # The HF worker samples with the trainer's weights (k = 0): its log-probs are the behaviour
+    # The HF replica samples with the trainer's weights (k = 0): its log-probs are the behaviour
     # policy's and the trainer's both, so rollout correction weighs every token 1.
     assert all(abs(v - 1.0) < 1e-6 for _, v in served.series("rollout/is_weight_mean"))
     assert all(abs(v - 1.0) < 1e-5 for _, v in served.series("rollout/is_weight_max"))
@@ -54,10 +54,10 @@ def test_server_rollouts_train_exactly_like_colocated_ones(trained, small_assets
     assert all(v > 0 for _, v in served.series("rollout/sync_gb_per_s"))
 
 
-def test_a_bf16_worker_keeps_the_guard_green_with_its_dtypes_stop_and_the_correction_sees_its_gap(
+def test_a_bf16_replica_keeps_the_guard_green_with_its_dtypes_stop_and_the_correction_sees_its_gap(
     trained, small_assets, tmp_path
 ):
-    """rollout.dtype=bfloat16: the worker samples in bf16, the weights are checked exactly (the
+    """rollout.dtype=bfloat16: the replica samples in bf16, the weights are checked exactly (the
     trainer's fingerprint rounded to bf16), and the log-prob gap, far above fp32's 1e-3 stop, stays
     under bf16's (LOGPROB_DIFF_STOPS) and shows in the correction's metrics."""
     served = train(trained, small_assets, tmp_path, "bf16", "server", dtype="bfloat16", threads=1)
@@ -66,33 +66,45 @@ def test_a_bf16_worker_keeps_the_guard_green_with_its_dtypes_stop_and_the_correc
     assert all(v > 0 for _, v in served.series("rollout/mismatch_kl"))
 
 
-def test_an_external_vllm_fleet_gets_its_weights_over_gloo(trained, small_assets, tmp_path, monkeypatch):
-    """rollout.endpoints: a replica someone else started (rlflow starts nothing), its key from the
-    environment; the PPO loop's weights reach it through the gloo group, the guard green every step."""
+@pytest.fixture(scope="module")
+def fleet(trained):
+    """One vLLM replica of the SFT model that rlflow did not start (an external fleet,
+    rollout.endpoints): every vLLM run of this module samples from it in turn, as each round of a
+    flow does from a fleet that outlives it. The replicas a stage starts itself are
+    tests/scenarios/test_vllm_faults.py's and test_fleet.py's."""
     from helpers.vllm_env import vllm_python
-    from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV
     from rlflow.engine.rollout.vllm_replica import VLLMOptions, VLLMReplica
 
     replica = VLLMReplica.start(trained[0], python=vllm_python(), options=VLLMOptions(cores="1"))
-    try:
-        monkeypatch.setenv(REPLICA_KEY_ENV, replica.key)
-        served = train(
-            trained, small_assets, tmp_path, "external", "server", server_backend="vllm", endpoints=[replica.url]
-        )
-        diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
-        assert len(diffs) == STEPS and max(diffs) < 1e-3
-        assert replica.proc.poll() is None  # rlflow leaves an external replica running
-    finally:
-        replica.close()
+    yield replica
+    replica.close()
 
 
-def test_vllm_rollouts_of_a_lora_actor_get_its_merged_weights(trained, small_assets, tmp_path):
+def train_on(fleet, monkeypatch, trained, small_assets, tmp_path, name, **kw):
+    """train() with its rollouts from the external replica (its key from the environment, the
+    weights over the gloo group); the replica is still running after."""
+    from rlflow.engine.rollout.replica_auth import REPLICA_KEY_ENV
+
+    monkeypatch.setenv(REPLICA_KEY_ENV, fleet.key)
+    served = train(trained, small_assets, tmp_path, name, "server", server_backend="vllm", endpoints=[fleet.url], **kw)
+    assert fleet.proc.poll() is None  # rlflow leaves an external replica running
+    return served
+
+
+def test_an_external_vllm_fleet_gets_its_weights_over_gloo(fleet, monkeypatch, trained, small_assets, tmp_path):
+    """rollout.endpoints: a replica someone else started (rlflow starts nothing); the PPO loop's
+    weights reach it through the gloo group, the guard green every step."""
+    served = train_on(fleet, monkeypatch, trained, small_assets, tmp_path, "external")
+    diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
+    assert len(diffs) == STEPS and max(diffs) < 1e-3
+
+
+def test_vllm_rollouts_of_a_lora_actor_get_its_merged_weights(fleet, monkeypatch, trained, small_assets, tmp_path):
     """LoRA with vLLM: the replica holds plain weights, and each sync sends the adapters merged in
-    under the plain names (what the fingerprint and the probe check)."""
-    served = train(
-        trained, small_assets, tmp_path, "lora", "server", model={"lora": {"r": 4, "alpha": 8.0}},
-        server_backend="vllm", threads=1,
-    )
+    under the plain names (what the fingerprint and the probe check). The replica held another
+    run's weights before: the first sync replaces them all, or the probe would fail."""
+    lora = {"lora": {"r": 4, "alpha": 8.0}}
+    served = train_on(fleet, monkeypatch, trained, small_assets, tmp_path, "lora", model=lora, threads=1)
     diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
     assert len(diffs) == STEPS and max(diffs) < 1e-3
 
@@ -102,11 +114,13 @@ def test_vllm_rollouts_of_a_lora_actor_get_its_merged_weights(trained, small_ass
     [{"off_policy_steps": 1}, {"async": True, "max_staleness": 1, "partial_rollouts": True}],
     ids=["off_policy_1", "async_partial"],
 )
-def test_vllm_rollouts_sample_ahead_within_the_staleness_bound(trained, small_assets, tmp_path, schedule):
+def test_vllm_rollouts_sample_ahead_within_the_staleness_bound(
+    fleet, monkeypatch, trained, small_assets, tmp_path, schedule
+):
     """Off-policy (the replica samples step t+1 while the trainer trains t) and asynchronous with
     partial rollouts (an update freezes generations in flight, vLLM's pause mode keep, and they go on
     under the new weights): the probe after each sync agrees, and no trained row is staler than the bound."""
-    served = train(trained, small_assets, tmp_path, "ahead", "server", server_backend="vllm", threads=1, **schedule)
+    served = train_on(fleet, monkeypatch, trained, small_assets, tmp_path, "ahead", threads=1, **schedule)
     assert len(served.series("actor/pg_loss")) == STEPS
     assert max(v for _, v in served.series("rollout/staleness_max")) <= 1
     diffs = [v for _, v in served.series("rollout/logprob_diff_max")]
@@ -132,7 +146,7 @@ def test_a_bad_sync_inside_the_rl_loop_stops_the_stage(
         from rlflow.engine.rollout.weight_sync import weights_fingerprint
 
         self.trainer_fingerprint = weights_fingerprint(actor.named_full_parameters(), round_to=self.client.dtype)
-        self.worker_fingerprint = self.client.fingerprint()
+        self.replica_fingerprint = self.client.fingerprint()
         return {"rollout/sync_gb_per_s": stats.gb_per_s}
 
     monkeypatch.setattr(RolloutService, "sync", faulty_sync)
@@ -141,7 +155,7 @@ def test_a_bad_sync_inside_the_rl_loop_stops_the_stage(
         train(trained, small_assets, tmp_path, fault, "server", check_fingerprint)
 
 
-# --- the service's own bookkeeping, without a worker process ----------------------------------------
+# --- the service's own bookkeeping, without rollout replicas ----------------------------------------
 
 
 class CannedWorker:
@@ -156,7 +170,7 @@ class CannedWorker:
         return Generation(*self.samples[seed])
 
 
-def test_sampled_chunks_carry_the_workers_log_probs_masked_for_the_guard(small_assets):
+def test_sampled_chunks_carry_the_replicas_log_probs_masked_for_the_guard(small_assets):
     tokenizer = load_tokenizer(str(small_assets / "tiny-model"))
     eos = tokenizer.eos_token_id
     worker = CannedWorker({
@@ -172,17 +186,17 @@ def test_sampled_chunks_carry_the_workers_log_probs_masked_for_the_guard(small_a
     assert batches[1].sampled_logprobs.tolist() == [[-4.0]]
 
 
-def sampled(worker_logprobs, mask):
-    """A one-token-prompt batch whose sampler reported `worker_logprobs` [b, R] for `mask` [b, R]."""
+def sampled(replica_logprobs, mask):
+    """A one-token-prompt batch whose sampler reported `replica_logprobs` [b, R] for `mask` [b, R]."""
     rows, width = mask.shape
     ids = torch.zeros(rows, 1 + width, dtype=torch.long)
     attention = torch.cat([torch.ones(rows, 1), mask], 1).long()
-    return RolloutBatch(ids, attention, mask, 1, ("",) * rows, torch.tensor(worker_logprobs) * mask)
+    return RolloutBatch(ids, attention, mask, 1, ("",) * rows, torch.tensor(replica_logprobs) * mask)
 
 
 def test_the_guard_compares_fingerprints_once_per_sync_and_sums_the_diffs():
     service = RolloutService(RolloutConfig(mode="server", max_logprob_diff=0.1), client=None)
-    service.trainer_fingerprint, service.worker_fingerprint = "sha256:a", "sha256:a"
+    service.trainer_fingerprint, service.replica_fingerprint = "sha256:a", "sha256:a"
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     first, second = sampled([[-1.0, -2.0, 0.0]], mask), sampled([[-1.0, -1.0, 0.0]], mask)
     total, tokens, worst = service.check(first, torch.tensor([[-1.02, -2.04, 0.0]]))
@@ -194,8 +208,8 @@ def test_the_guard_compares_fingerprints_once_per_sync_and_sums_the_diffs():
     assert RolloutService.metrics([]) == {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
 
 
-def test_a_worker_out_of_step_fails_the_guard_with_the_numbers():
+def test_a_replica_out_of_step_fails_the_guard_with_the_numbers():
     service = RolloutService(RolloutConfig(mode="server", max_logprob_diff=0.01), client=None)
-    service.trainer_fingerprint, service.worker_fingerprint = "sha256:a", "sha256:b"
+    service.trainer_fingerprint, service.replica_fingerprint = "sha256:a", "sha256:b"
     with pytest.raises(WeightSyncError, match=r"fingerprints differ.*log-prob diff max 0\.5 nats"):
         service.check(sampled([[0.0, 0.0]], torch.ones(1, 2)), torch.tensor([[0.5, 0.0]]))

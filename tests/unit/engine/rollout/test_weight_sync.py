@@ -88,7 +88,7 @@ def test_an_entry_beyond_the_buffer_is_refused_not_read():
 
 
 def test_the_probe_shapes_must_agree():
-    with pytest.raises(WeightSyncError, match=r"shapes differ: trainer \(1, 2\), worker \(1, 3\), mask \(1, 2\)"):
+    with pytest.raises(WeightSyncError, match=r"shapes differ: trainer \(1, 2\), replica \(1, 3\), mask \(1, 2\)"):
         check_weight_sync(None, None, torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2), 1e-3, False)
 
 

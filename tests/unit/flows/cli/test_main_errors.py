@@ -92,7 +92,7 @@ CASES = {
         lambda t, w: (w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:BadToolEnv"}),),
         r"tool 'scale': argument 'x' has type 'float'; valid: string, integer",
     ),
-    "an env with a rollout worker": (
+    "an env with rollout replicas": (
         lambda t, w: (
             w(data={"chat_template": "auto"}, env={"fn": "helpers.envs:ScriptedEnv"}, rollout={"mode": "server"}),
         ),
