@@ -1,6 +1,6 @@
 """Correction for the gap between the policy that sampled a batch and the trainer's, as pure functions.
 
-The sampler (the behaviour policy: a rollout worker, vLLM, or an older actor version in
+The sampler (the behaviour policy: a rollout replica, HF or vLLM, or an older actor version in
 off-policy training) and the trainer's proximal policy (its own log-probs of the same tokens at
 sampling time, `old_logprobs`) are not the same distribution: other kernels, other precision, or
 other weights. The decoupled PPO objective (Hilton et al. 2022) keeps them apart: the clipped
