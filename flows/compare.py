@@ -153,7 +153,7 @@ def format_cell(value: Any, column: str = "") -> str:
     return f"{value:.1f}" if column in ("seconds", "rl_tok_s") else f"{value:.4f}"
 
 
-def gold_by_prompt(client: Any, rec: RoundRecord) -> tuple[list[str], list[float]] | None:
+def load_gold_by_prompt(client: Any, rec: RoundRecord) -> tuple[list[str], list[float]] | None:
     """(prompt digests, gold_after per prompt) from the round's eval child; None where it has no
     per-prompt table (no eval stage, or a run recorded before the table existed)."""
     from rlflow.engine.stages.round_eval import BY_PROMPT_TABLE  # (torch: only when runs are paired)
@@ -168,7 +168,7 @@ def gold_by_prompt(client: Any, rec: RoundRecord) -> tuple[list[str], list[float
     return [r[column["prompt"]] for r in rows], [float(r[column["gold_after"]]) for r in rows]
 
 
-ByPrompt = dict[tuple[str, int], tuple[list[str], list[float]] | None]  # (run, round) -> gold_by_prompt
+ByPrompt = dict[tuple[str, int], tuple[list[str], list[float]] | None]  # (run, round) -> load_gold_by_prompt
 
 
 def format_paired(records: list[RoundRecord], by_prompt: ByPrompt) -> list[str]:
@@ -232,7 +232,7 @@ def command_compare(args: argparse.Namespace) -> int:
     price_rounds(client, parents, records, book)
     print(format_compare_table(records, book.currency))
     if len(parents) > 1:
-        by_prompt = {(r.run, r.round_index): gold_by_prompt(client, r) for r in records}
+        by_prompt = {(r.run, r.round_index): load_gold_by_prompt(client, r) for r in records}
         for line in format_paired(records, by_prompt):
             print(line)
     png = plot_curves(records)

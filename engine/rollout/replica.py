@@ -191,9 +191,10 @@ class ReplicaClient:
 
     # --- HTTP ------------------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict[str, Any]:
+    def _send(self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> Any:
+        """The replica's whole answer to one request; no answer is a ReplicaError naming the replica."""
         try:
-            response = self._session.request(
+            return self._session.request(
                 method, self.url + path, json=body, params=params or None, headers=self._headers, timeout=self.timeout_s
             )
         except requests.Timeout:
@@ -202,6 +203,9 @@ class ReplicaClient:
             self._fail(f"{path} could not connect ({type(exc).__name__})")
         except requests.RequestException as exc:  # e.g. the replica died mid-answer (ChunkedEncodingError)
             self._fail(f"{path} broke off its answer ({type(exc).__name__})")
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict[str, Any]:
+        response = self._send(method, path, body, **params)
         if response.status_code == 401:
             self._fail(f"{path} was refused (401): the replica wants another API key")
         if response.status_code >= 400:
@@ -224,10 +228,7 @@ class ReplicaClient:
     def gauge(self, name: str) -> float | None:
         """The sum of a GET /metrics series (e.g. vllm:num_requests_running, rlflow:idle_seconds_total);
         None where the replica does not report it."""
-        try:
-            response = self._session.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout_s)
-        except requests.RequestException as exc:
-            self._fail(f"/metrics got no whole answer ({type(exc).__name__})")
+        response = self._send("GET", "/metrics")
         values = [line.rsplit(" ", 1)[-1] for line in response.text.splitlines() if line.startswith(name)]
         return sum(float(v) for v in values) if values else None
 

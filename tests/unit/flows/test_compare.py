@@ -17,7 +17,7 @@ from rlflow.flows.compare import (
     format_cell,
     format_compare_table,
     format_paired,
-    gold_by_prompt,
+    load_gold_by_prompt,
     plot_curves,
     price_rounds,
 )
@@ -195,7 +195,7 @@ def test_a_run_or_experiment_that_is_not_there_is_named(store):
 def test_a_later_run_is_paired_with_the_first_per_prompt_on_the_same_round(store):
     tracker, _ = store
     _, records = collect(tracker.client, "rlflow", ["alpha", "beta"])
-    by_prompt = {(r.run, r.round_index): gold_by_prompt(tracker.client, r) for r in records}
+    by_prompt = {(r.run, r.round_index): load_gold_by_prompt(tracker.client, r) for r in records}
     assert by_prompt[("alpha", 0)] == (["p1", "p2", "p3", "p4"], [0.0, 0.0, 1.0, 1.0])
     assert by_prompt[("alpha", 1)] is None  # its eval child has no table
     # differences [1, 1, 0, -1]: mean 0.25, sample variance 2.75 / 3, stderr sqrt(0.9167 / 4) = 0.4787
