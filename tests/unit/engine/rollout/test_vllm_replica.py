@@ -199,9 +199,19 @@ def test_seeded_rows_beyond_one_steps_token_budget_sample_on_the_cpu(client):
     assert client.health()
 
 
-def update_while_sampling(client, policy, prompts, params, mode: str, version: int):
+def counting_prompts(tokenizer, n: int) -> list[list[int]]:
+    """Plain text that goes on and on ("17, 18, 19,"): the rows run to max_new_tokens rather than
+    stopping after a few tokens, so every row is still being sampled when the weights change, on
+    a loaded machine too (short chat answers could end before the last row reached the engine)."""
+    return [tokenizer.encode(", ".join(str(k) for k in range(10 * i + 1, 10 * i + 40)) + ",") for i in range(n)]
+
+
+LONG_ROWS = SamplingParams(0.7, 1.0, 96)
+
+
+def update_while_sampling(client, policy, prompts, mode: str, version: int):
     """Submit, wait until the engine samples every row, then update the weights (pause `mode`)."""
-    request = client.submit(prompts, params, seed=9)
+    request = client.submit(prompts, LONG_ROWS, seed=9)
     deadline = time.monotonic() + 120
     while (client.gauge("vllm:num_requests_running") or 0) < len(prompts):
         assert time.monotonic() < deadline, "the generations never reached the replica's engine"
@@ -213,13 +223,14 @@ def update_while_sampling(client, policy, prompts, params, mode: str, version: i
     generation = client.collect(request)
     thread.join(timeout=300)
     assert not thread.is_alive()
+    assert min(map(len, generation.response_ids)) > 48, "the rows ended early: the test needs long rows"
     return generation
 
 
 def test_pause_wait_lets_generations_in_flight_finish_with_their_weights(client, policy):
-    prompts = chat_prompts(client.tokenizer, 4)
+    prompts = counting_prompts(client.tokenizer, 4)
     old = int(client.weight_version().rpartition(":")[2])
-    generation = update_while_sampling(client, policy, prompts, SamplingParams(0.7, 1.0, 40), "wait", old + 1)
+    generation = update_while_sampling(client, policy, prompts, "wait", old + 1)
     assert [sorted(set(row)) for row in generation.versions] == [[old]] * 4
     assert client.weight_version() == f"rlflow:{old + 1}"
     later = client.generate(prompts[:1], SamplingParams(0.7, 1.0, 4), seed=9)
@@ -227,9 +238,9 @@ def test_pause_wait_lets_generations_in_flight_finish_with_their_weights(client,
 
 
 def test_pause_keep_continues_them_with_the_new_weights_token_by_token(client, policy):
-    prompts = chat_prompts(client.tokenizer, 4)
+    prompts = counting_prompts(client.tokenizer, 4)
     old = int(client.weight_version().rpartition(":")[2])
-    generation = update_while_sampling(client, policy, prompts, SamplingParams(0.7, 1.0, 40), "keep", old + 1)
+    generation = update_while_sampling(client, policy, prompts, "keep", old + 1)
     for row in generation.versions:  # each row: old tokens, then new ones, never back
         assert row == sorted(row) and set(row) <= {old, old + 1}
     assert any(set(row) == {old, old + 1} for row in generation.versions)  # a partial rollout
