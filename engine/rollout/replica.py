@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import requests
+import urllib3
 import torch
 
 from rlflow.engine.config.sampling import SamplingParams
@@ -200,6 +201,9 @@ class ReplicaClient:
         except requests.Timeout:
             self._fail(f"{path} got no answer within {self.timeout_s:g} s (rollout.response_timeout_s)")
         except requests.ConnectionError as exc:
+            # requests raises a read timeout met in the body as a ConnectionError: a timeout all the same
+            if exc.args and isinstance(exc.args[0], urllib3.exceptions.ReadTimeoutError):
+                self._fail(f"{path} got no answer within {self.timeout_s:g} s (rollout.response_timeout_s)")
             self._fail(f"{path} could not connect ({type(exc).__name__})")
         except requests.RequestException as exc:  # e.g. the replica died mid-answer (ChunkedEncodingError)
             self._fail(f"{path} broke off its answer ({type(exc).__name__})")

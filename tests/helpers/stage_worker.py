@@ -27,8 +27,14 @@ def start_worker(root: Path, tree: dict, call: StageCall, fault: str | None) -> 
 
 
 def finish_worker(proc: subprocess.Popen) -> tuple[int, list, str]:
-    """Wait for a worker; return (exit code, [(step, metrics)] from its event lines, stderr tail)."""
-    out, err = proc.communicate(timeout=300)
+    """Wait for a worker (at most 10 min: a hang fails the test, the worker killed); return (exit code,
+    [(step, metrics)] from its event lines, stderr tail)."""
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the stage worker did not finish within 600 s; its stderr ends:\n{err[-3000:]}") from None
     events = [json.loads(line[len(EVENT_PREFIX) :]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
     return proc.returncode, [(e["step"], e["metrics"]) for e in events if e["kind"] == "metrics"], err[-3000:]
 

@@ -40,7 +40,8 @@ def deployments_file(path, config_path, pool):
                     "job_variables": {"env": {"RLFLOW_PROJECT_DIR": "{{ $RLFLOW_PROJECT_DIR }}"}},
                 },
                 "concurrency_limit": {"limit": 1, "collision_strategy": "ENQUEUE"},
-                "schedules": [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}],
+                # inactive: a suite running across 02:00 UTC would otherwise get a second, scheduled run
+                "schedules": [{"cron": "0 2 * * *", "timezone": "UTC", "active": False}],
                 "triggers": [
                     {
                         "type": "event",
@@ -71,7 +72,7 @@ def start_worker(pool, tmp_path, fault_marker):
     return proc, log
 
 
-def wait_for_flow_run(client, deployment_id, not_in, timeout=300):
+def wait_for_flow_run(client, deployment_id, not_in, timeout=600):
     """The first flow run of the deployment, other than `not_in` and the schedule's future runs,
     once it is final."""
     from prefect.client.schemas.filters import DeploymentFilter

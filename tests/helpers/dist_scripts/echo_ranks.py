@@ -4,7 +4,8 @@ event line; optionally one rank fails. Run as `python -m echo_ranks [options]` o
 --fail-rank N: rank N raises ValueError("boom on rank N") (or exits with --hard CODE, leaving no
 failure record). With --peer-follows every other rank fails ~50 ms later the way a peer of a
 failed rank does (a RuntimeError like gloo's "Connection closed by peer") while rank N is still
-in a slow teardown (0.5 s), so the peer's exit is the first one torchrun sees.
+in a slow teardown (3 s, so on a loaded machine too), so the peer's exit is the first one torchrun
+sees.
 --sleep S: ranks that do not fail sleep S seconds before finishing (timeout/interrupt tests).
 --pid-dir D: each rank writes D/<rank>.pid first, so a test can check that it is gone.
 """
@@ -52,7 +53,7 @@ def main() -> None:
         finally:
             marker.touch()
             if args.peer_follows:
-                time.sleep(0.5)  # a slow teardown (flushing, destroying process groups, ...)
+                time.sleep(3.0)  # a slow teardown (flushing, destroying process groups, ...)
     if args.fail_rank is not None and args.peer_follows:
         while not marker.exists():
             time.sleep(0.005)

@@ -212,14 +212,15 @@ def test_every_route_but_health_wants_the_key_and_bad_rows_are_refused_by_name(c
 def test_pause_keep_cuts_a_generation_and_its_rows_go_on_under_the_new_weights(client, policy, tiny):
     """rollout.partial_rollouts: a weight update mid-generation; every token is scored by the weights
     its version names (the old ones up to the cut, the new ones after)."""
-    prompts = tiny[2][:8]
+    prompts = tiny[2] * 4  # 64 rows: ~4 s of sampling here, so the cut lands mid-batch on a loaded machine too
     client.update_weights(policy.named_parameters(), SMALL_BUCKET_MB, version=4)
     old = {k: v.clone() for k, v in policy.state_dict().items()}
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=400)
     request = client.submit(prompts, params, seed=5)
-    deadline = time.monotonic() + 30
-    while client.gauge("rlflow:num_requests_running") != 8 and time.monotonic() < deadline:
-        time.sleep(0.01)  # until the batch is being sampled (400 tokens: seconds of work)
+    deadline = time.monotonic() + 120
+    while client.gauge("rlflow:num_requests_running") != len(prompts):
+        assert time.monotonic() < deadline, "the rows never all reached the replica's sampler"
+        time.sleep(0.01)
     perturb(policy, seed=5, scale=0.05)
     client.update_weights(policy.named_parameters(), SMALL_BUCKET_MB, version=5, pause_mode="keep")
     generation = client.collect(request)

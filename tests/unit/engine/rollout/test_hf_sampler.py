@@ -70,7 +70,10 @@ def test_pause_wait_returns_once_the_running_batch_is_done_and_keep_cuts_it(hf_m
     for r in long:
         r2 = RowRequest(r.prompt, r.temperature, r.top_p, r.max_tokens, r.seed, [10**6], r.row, r.key)
         future = sampler.submit(r2)  # no stop id: every row samples its 400 tokens
-    time.sleep(0.2)
+    deadline = time.monotonic() + 60
+    while sampler.rows_running != 4:  # the batch is being sampled
+        assert time.monotonic() < deadline, "the sampler never took the batch"
+        time.sleep(0.005)
     sampler.pause("keep")  # returns once the batch is held, cut after its next token
     assert not sampler.running and not future.done()
     sampler.version = "run:1"

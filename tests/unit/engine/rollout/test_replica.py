@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import time
+
 import pytest
 
 from rlflow.engine.config.secrets import redact_url
@@ -87,25 +89,48 @@ def test_a_generate_call_of_more_rows_than_a_replica_takes_in_flight_names_the_k
     rows.close()
 
 
-def test_a_replica_that_dies_mid_answer_is_an_error_naming_it():
-    """Headers, then half a body, then the socket closes: what a killed replica leaves behind."""
+def answer_once(head_and_part_of_body: bytes, hold_s: float):
+    """A one-request server on 127.0.0.1 that reads the whole request, sends these bytes, holds the
+    connection `hold_s` seconds and closes it; (url, thread)."""
     import socket
     import threading
 
     listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
 
-    def serve_half():
+    def serve():
         conn, _ = listener.accept()
         with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 172\r\n\r\n{")
+            request = b""
+            while b"\r\n\r\n" not in request:  # the request's head (these requests have no body)
+                request += conn.recv(65536)
+            conn.sendall(head_and_part_of_body)
+            time.sleep(hold_s)
+        listener.close()
 
-    server = threading.Thread(target=serve_half, daemon=True)
-    server.start()
-    client = ReplicaClient(f"http://127.0.0.1:{port}", "k", Tokenizer(), name="r0", timeout_s=5)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread
+
+
+HALF_AN_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 172\r\n\r\n{"
+
+
+def test_a_replica_that_dies_mid_answer_is_an_error_naming_it():
+    """Headers, then half a body, then the socket closes: what a killed replica leaves behind."""
+    url, server = answer_once(HALF_AN_ANSWER, hold_s=0)
+    client = ReplicaClient(url, "k", Tokenizer(), name="r0", timeout_s=5)
     with pytest.raises(ReplicaError, match=r"rollout replica r0: /pause broke off its answer \(ChunkedEncodingError\)"):
         client.pause()
     client.close()
     server.join(timeout=5)
-    listener.close()
+
+
+def test_a_replica_that_stalls_mid_answer_is_a_timeout_naming_it():
+    """Headers, then half a body, then nothing (a replica stopped mid-answer): requests calls the read
+    timeout a ConnectionError there; it is still the response timeout, not a failed connect."""
+    url, server = answer_once(HALF_AN_ANSWER, hold_s=4)
+    client = ReplicaClient(url, "k", Tokenizer(), name="r0", timeout_s=1)
+    with pytest.raises(ReplicaError, match=r"r0: /pause got no answer within 1 s \(rollout.response_timeout_s\)"):
+        client.pause()
+    client.close()
+    server.join(timeout=10)

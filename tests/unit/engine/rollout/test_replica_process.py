@@ -43,6 +43,6 @@ def test_a_replica_that_dies_or_never_answers_while_starting_is_an_error_quoting
     with pytest.raises(ReplicaStartError, match=r"the stand-in exited with code 3 while starting; .*cannot load"):
         ReplicaProcess.launch(dies, {}, "http://127.0.0.1:9", what="stand-in", log_path=str(tmp_path / "a.log"))
     silent = [sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(60)"]
-    with pytest.raises(ReplicaStartError, match=r"not healthy within 1 s \(rollout.startup_timeout_s\);.*loading"):
+    with pytest.raises(ReplicaStartError, match=r"not healthy within 3 s \(rollout.startup_timeout_s\);.*loading"):
         ReplicaProcess.launch(silent, {}, f"http://127.0.0.1:{free_port()}", what="stand-in",
-                              log_path=str(tmp_path / "b.log"), startup_timeout_s=1)  # fmt: skip
+                              log_path=str(tmp_path / "b.log"), startup_timeout_s=3)  # fmt: skip

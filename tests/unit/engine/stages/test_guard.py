@@ -104,7 +104,8 @@ def test_the_watchdog_fires_between_steps_but_never_during_a_checkpoint_write(tm
         guard.after_checkpoint(2, "url")
     with pytest.raises(StageHung, match="no step finished for 0.2 s"), StageGuard(ctx, None) as guard:
         guard.begin(1)
-        time.sleep(0.8)  # a step that never ends
+        for _ in range(600):  # a step that never ends (up to 30 s: the watchdog's thread may start late)
+            time.sleep(0.05)
         pytest.fail("the watchdog did not fire")
 
 
