@@ -6,12 +6,17 @@ On one model (default: SmolLM2-135M-Instruct, models/smollm2-135m-instruct, `mak
 each sampler gets one core (torch threads 1; the replica bound to the last core) and samples the same
 chat prompts, `--repeats` times after a warm-up; then each takes `--repeats` weight updates of the whole
 model (256 MB buckets, fingerprint included) through each channel. Samplers in turn, never two at once.
+Each sync also splits the replica's side (its finish report): receive (the channel into its memory),
+load (into the model: vLLM's weight loaders and the CPU's repacking) and fingerprint seconds. The host's
+copy bound is one copy of the model's bytes (copy_s, timed here).
 Prints tokens/s and seconds per sync (medians), writes bench/results/vllm-<UTC time>.json, and last
     RESULT vllm_vs_inprocess_tok_s=<ratio> hf_vs_inprocess_tok_s=<ratio> sync_s_vllm=<s> sync_s_vllm_gloo=<s>
-           sync_s_vllm_fsspec=<s> sync_s_hf=<s> sync_s_hf_gloo=<s> sync_s_hf_fsspec=<s>
+           sync_s_vllm_fsspec=<s> sync_s_hf=<s> sync_s_hf_gloo=<s> sync_s_hf_fsspec=<s> copy_s=<s>
+           shm_vllm_outside_load_s=<s>
 (sync_s_<backend>: shared memory; sync_s_<backend>_gloo: the gloo group over loopback, the path a replica on
 another host takes; sync_s_<backend>_fsspec: safetensors files on this machine's disk, the path of a replica
-sharing only storage)
+sharing only storage; shm_vllm_outside_load_s: a shared-memory sync less the vLLM replica's load and
+fingerprint seconds, i.e. what the channel, its two copies and the HTTP calls took, against 2 x copy_s)
 Tokens differ between samplers (other kernels, other RNG), so tokens/s counts the tokens each sampled.
 """
 
@@ -71,14 +76,36 @@ def served(backend: str, model: str, *, dtype: str = "float32", vllm_python: str
         replica.close()
 
 
-def timed_syncs(client, policy, repeats: int) -> list[float]:
-    seconds = []
+def timed_syncs(client, policy, repeats: int) -> dict[str, list[float]]:
+    """{"sync_s": seconds per whole update, "replica_<phase>_s": the replica's seconds in each phase}."""
+    timed: dict[str, list[float]] = {}
     for version in range(1, repeats + 1):
         started = time.perf_counter()
-        client.update_weights(policy.named_parameters(), 256, version=version)
+        stats = client.update_weights(policy.named_parameters(), 256, version=version)
         client.fingerprint()
+        timed.setdefault("sync_s", []).append(time.perf_counter() - started)
+        for phase, seconds in stats.replica_s.items():
+            timed.setdefault(f"replica_{phase}_s", []).append(seconds)
+    return timed
+
+
+def copy_seconds(policy, repeats: int) -> list[float]:
+    """One copy of every parameter's bytes into memory already allocated: the host's copy bound."""
+    import torch
+
+    sources = [p.detach() for p in policy.parameters()]
+    targets = [torch.empty_like(s) for s in sources]
+    seconds = []
+    for _ in range(repeats + 1):  # the first touches the targets' pages
+        started = time.perf_counter()
+        for target, source in zip(targets, sources):
+            target.copy_(source)
         seconds.append(time.perf_counter() - started)
-    return seconds
+    return seconds[1:]
+
+
+def prefixed(prefix: str, timed: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {prefix + key: values for key, values in timed.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,19 +136,20 @@ def main(argv: list[str] | None = None) -> int:
             return int(generate_rollouts(policy, tokenizer, prompts, params, seed=0).response_mask.sum())
 
     report["inprocess_tok_s"] = timed_samples(inprocess, args.repeats)
+    report["copy_s"] = copy_seconds(policy, args.repeats)
     for backend in ("hf", "vllm"):
         with served(backend, args.model, vllm_python=args.vllm_python) as replica:
             with ReplicaClient(replica.url, replica.key, tokenizer, on_failure=replica.failure) as shm:
                 shm.update_weights(policy.named_parameters(), 256, version=0)
                 report[f"{backend}_tok_s"] = timed_samples(lambda: counted(shm.generate(prompts, params, 0)),
                                                            args.repeats)  # fmt: skip
-                report[f"{backend}_sync_s"] = timed_syncs(shm, policy, args.repeats)
+                report |= prefixed(f"{backend}_", timed_syncs(shm, policy, args.repeats))
             with ReplicaClient(replica.url, replica.key, tokenizer, transport="gloo") as gloo:
-                report[f"{backend}_gloo_sync_s"] = timed_syncs(gloo, policy, args.repeats)  # the cross-host path
+                report |= prefixed(f"{backend}_gloo_", timed_syncs(gloo, policy, args.repeats))  # the cross-host path
             with tempfile.TemporaryDirectory(prefix="rlflow-weights-") as folder:  # this disk, as a shared one
                 url = f"file://{folder}"
                 with ReplicaClient(replica.url, replica.key, tokenizer, transport="fsspec", weights_url=url) as files:
-                    report[f"{backend}_fsspec_sync_s"] = timed_syncs(files, policy, args.repeats)
+                    report |= prefixed(f"{backend}_fsspec_", timed_syncs(files, policy, args.repeats))
 
     medians = {key: statistics.median(values) for key, values in report.items() if isinstance(values, list)}
     for key, value in medians.items():
@@ -130,13 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"vllm-{stamp}.json").write_text(json.dumps(report | {"medians": medians}, indent=1))
     base = medians["inprocess_tok_s"]
+    outside = [s - load - fp for s, load, fp in zip(report["vllm_sync_s"], report["vllm_replica_load_s"],
+                                                     report["vllm_replica_fingerprint_s"])]  # fmt: skip
     print(
         f"RESULT vllm_vs_inprocess_tok_s={medians['vllm_tok_s'] / base:.3g}"
         f" hf_vs_inprocess_tok_s={medians['hf_tok_s'] / base:.3g}"
         f" sync_s_vllm={medians['vllm_sync_s']:.3g} sync_s_vllm_gloo={medians['vllm_gloo_sync_s']:.3g}"
         f" sync_s_vllm_fsspec={medians['vllm_fsspec_sync_s']:.3g}"
         f" sync_s_hf={medians['hf_sync_s']:.3g} sync_s_hf_gloo={medians['hf_gloo_sync_s']:.3g}"
-        f" sync_s_hf_fsspec={medians['hf_fsspec_sync_s']:.3g}"
+        f" sync_s_hf_fsspec={medians['hf_fsspec_sync_s']:.3g} copy_s={medians['copy_s']:.3g}"
+        f" shm_vllm_outside_load_s={statistics.median(outside):.3g}"
     )
     return 0
 

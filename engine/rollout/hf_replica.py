@@ -38,7 +38,7 @@ from rlflow.engine.rollout.hf_sampler import BatchKey, HFModel, HFSampler, RowRe
 from rlflow.engine.rollout.replica_auth import RequireKey
 from rlflow.engine.rollout.replica_model import SIGNATURE_PATH, model_signature
 from rlflow.engine.rollout.replica_watch import watch_trainer
-from rlflow.engine.rollout.transfer_receiver import BucketUpdate, ReplicaChannel, TransferInit
+from rlflow.engine.rollout.transfer_receiver import BucketUpdate, ReplicaChannel, TransferInit, UpdateClock
 
 log = logging.getLogger("rlflow.hf_replica")
 MAX_CALLS = 32  # control calls handled at once (rows wait for their batch without a thread)
@@ -51,6 +51,7 @@ class HFReplica:
         self.model, self.sampler = model, sampler
         self.channel: ReplicaChannel | None = None
         self.loaded = 0  # tensors loaded since /start_weight_update
+        self.clock = UpdateClock()
         self.routes: dict[tuple[str, str], Callable[[dict[str, Any], dict[str, str]], Any]] = {
             ("GET", "/health"): lambda body, query: {},
             ("POST", "/inference/v1/generate"): self.generate,
@@ -95,23 +96,28 @@ class HFReplica:
     def start_update(self, body: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
         self.sampler.require_paused("/start_weight_update")
         self.loaded = 0
+        self.clock.reset()
         return {}
 
     def update_weights(self, body: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
         if self.channel is None:
             raise SamplerError("/update_weights before /init_weight_transfer_engine")
         self.sampler.require_paused("/update_weights")
-        weights = self.channel.receive(BucketUpdate(**_field(body, "update_info")))
-        self.model.load(weights)  # copied into the parameters: the channel's buffer may be reused
+        with self.clock.phase("receive"):
+            weights = self.channel.receive(BucketUpdate(**_field(body, "update_info")))
+        with self.clock.phase("load"):
+            self.model.load(weights)  # copied into the parameters: the channel's buffer may be reused
         self.loaded += len(weights)
         return {}
 
     def finish_update(self, body: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
         if self.channel is None:
             raise SamplerError("/finish_weight_update before /init_weight_transfer_engine")
-        fingerprint = self.model.fingerprint() if self.channel.init.fingerprint else None
+        with self.clock.phase("fingerprint"):
+            fingerprint = self.model.fingerprint() if self.channel.init.fingerprint else None
         dtype = str(self.model.dtype).removeprefix("torch.")
-        self.channel.report({"dtype": dtype, "tensors": self.loaded, "fingerprint": fingerprint})
+        report = {"dtype": dtype, "tensors": self.loaded, "fingerprint": fingerprint} | self.clock.report()
+        self.channel.report(report)
         return {}
 
     def set_version(self, body: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:

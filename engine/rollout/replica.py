@@ -41,7 +41,7 @@ from rlflow.engine.config.secrets import redact_url
 from rlflow.engine.errors import RlflowError
 from rlflow.engine.models.tokens import stop_token_ids
 from rlflow.engine.rollout.replica_auth import auth_header
-from rlflow.engine.rollout.transfer import make_channel
+from rlflow.engine.rollout.transfer import UPDATE_PHASES, make_channel
 from rlflow.engine.rollout.weight_sync import DTYPES, Bucket, iter_buckets
 
 MB = 1 << 20
@@ -75,6 +75,11 @@ class SyncStats:
     buckets: int
     tensors: int
     transport: str
+    replica_s: dict[str, float]  # {phase of UPDATE_PHASES: seconds} of the slowest replica in each
+
+    def metrics(self) -> dict[str, float]:
+        """timing_s/update_weights/replica_<phase>: where the replicas' side of the update went."""
+        return {f"timing_s/update_weights/replica_{phase}": s for phase, s in self.replica_s.items()}
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -456,4 +461,5 @@ def push_weights(
         raise failures[0]
     seconds = time.monotonic() - started
     transport = "+".join(sorted({c.channel.transport for c in clients}))
-    return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, transport)
+    replica_s = {phase: max(float(c._report.get(f"{phase}_s", 0.0)) for c in clients) for phase in UPDATE_PHASES}
+    return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, transport, replica_s)

@@ -31,6 +31,9 @@ from rlflow.engine.rollout.weight_sync import Bucket, pack_bucket
 Call = Callable[[str, dict[str, Any] | None], dict[str, Any]]  # POST path with a JSON body
 TRAINER, REPLICA = 0, 1  # ranks of the gloo group (as transfer_receiver.py numbers them)
 REPORT_FILE = "report.json"  # fsspec: the replica's report, beside the bucket files
+# A replica's seconds per update, reported as <phase>_s at its finish: bytes out of the channel into its
+# own memory, into the model (vLLM: its weight loaders and the CPU's repacking), the fingerprint's digests.
+UPDATE_PHASES = ("receive", "load", "fingerprint")
 
 
 def _in_thread(call: Call, path: str, body: dict[str, Any] | None) -> tuple[threading.Thread, list]:

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import time
+from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from rlflow.engine.rollout.staging import REPORT_BYTES, write_report
-from rlflow.engine.rollout.transfer import REPLICA, REPORT_FILE, TRAINER, TRANSPORTS, broadcast
+from rlflow.engine.rollout.transfer import REPLICA, REPORT_FILE, TRAINER, TRANSPORTS, UPDATE_PHASES, broadcast
 from rlflow.engine.rollout.weight_sync import TensorEntry, unpack_bucket
 
 
@@ -121,3 +124,24 @@ class ReplicaChannel:
     def close(self) -> None:
         self.buffer = None  # a memfd mapping closes with its last view
         self.group = self.fs = self.root = None
+
+
+class UpdateClock:
+    """The seconds a replica spends in each of UPDATE_PHASES during one update, for its finish report."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(UPDATE_PHASES, 0.0)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - started
+
+    def report(self) -> dict[str, float]:
+        return {f"{name}_s": round(seconds, 6) for name, seconds in self.seconds.items()}

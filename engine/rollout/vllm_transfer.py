@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlflow.engine.rollout.transfer_receiver import BucketUpdate, ReplicaChannel, TransferInit
+from rlflow.engine.rollout.transfer_receiver import BucketUpdate, ReplicaChannel, TransferInit, UpdateClock
 from rlflow.engine.rollout.weight_sync import fingerprint_from_digests, tensor_digest
 
 BACKEND = "rlflow"
@@ -60,6 +60,7 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.channel: ReplicaChannel | None = None
         self.digests: dict[str, tuple[tuple[int, ...], str]] = {}  # of the tensors loaded since the start
+        self.clock = UpdateClock()
 
     def init_transfer_engine(self, init_info: RlflowInitInfo) -> None:
         self.shutdown()
@@ -76,7 +77,9 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.digests = {}
-        initialize_layerwise_reload(self.model)
+        self.clock.reset()
+        with self.clock.phase("load"):
+            initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host;
@@ -86,25 +89,31 @@ class RlflowTransferEngine(WeightTransferEngine[RlflowInitInfo, RlflowUpdateInfo
     def receive_weights(self, update_info: RlflowUpdateInfo) -> None:
         if self.channel is None:
             raise RuntimeError(f"{BACKEND}: /update_weights before /init_weight_transfer_engine")
-        try:
-            weights = self.channel.receive(update_info)
-        except ValueError as exc:
-            raise ValueError(f"{BACKEND}: {exc}") from None
-        # copy=True: the layerwise reload keeps these tensors until their layer is complete, which may
-        # be buckets later, and by then the next bucket has overwritten the channel's buffer.
-        weights = [(name, tensor.to(self.device, copy=True)) for name, tensor in weights]
-        self.model.load_weights(weights=weights)
-        for name, tensor in weights:
-            digest = tensor_digest(tensor, self.model_config.dtype) if self.channel.init.fingerprint else ""
-            self.digests[name] = (tuple(tensor.shape), digest)
+        with self.clock.phase("receive"):
+            try:
+                weights = self.channel.receive(update_info)
+            except ValueError as exc:
+                raise ValueError(f"{BACKEND}: {exc}") from None
+            # copy=True: the layerwise reload keeps these tensors until their layer is complete, which may
+            # be buckets later, and by then the next bucket has overwritten the channel's buffer.
+            weights = [(name, tensor.to(self.device, copy=True)) for name, tensor in weights]
+        with self.clock.phase("load"):
+            self.model.load_weights(weights=weights)
+        with self.clock.phase("fingerprint"):
+            for name, tensor in weights:
+                digest = tensor_digest(tensor, self.model_config.dtype) if self.channel.init.fingerprint else ""
+                self.digests[name] = (tuple(tensor.shape), digest)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
-        self._repack_tied_head()
-        fingerprint = fingerprint_from_digests(self.digests) if self.channel.init.fingerprint else None
-        self.channel.report({"dtype": self._dtype(), "tensors": len(self.digests), "fingerprint": fingerprint})
+        with self.clock.phase("load"):
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._repack_tied_head()
+        with self.clock.phase("fingerprint"):
+            fingerprint = fingerprint_from_digests(self.digests) if self.channel.init.fingerprint else None
+        report = {"dtype": self._dtype(), "tensors": len(self.digests), "fingerprint": fingerprint}
+        self.channel.report(report | self.clock.report())
 
     def _repack_tied_head(self) -> None:
         """vLLM 0.32 on the CPU packs every linear layer's weight for oneDNN after loading, the tied

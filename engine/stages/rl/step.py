@@ -294,9 +294,10 @@ def with_timings(
 ) -> dict[str, float]:
     """The step's metrics with its timing_s/* phases, timing_s/step (`seconds`) and timing_s/other: what
     no phase timed (the rollout replica's figures in the collection are not seconds, and the waits
-    overlap the phases: the trainer's inside gen, the replica's in another process)."""
+    overlap the phases: the trainer's inside gen, the replica's in another process; a timing_s/<phase>/<part>
+    is part of its phase, e.g. timing_s/update_weights/replica_load)."""
     timings = dict(timings, **{"timing_s/step": seconds})
-    phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k not in NOT_PHASES]
+    phases = [v for k, v in timings.items() if k.startswith("timing_s/") and k.count("/") == 1 and k not in NOT_PHASES]
     timings["timing_s/other"] = seconds - sum(phases)
     return metrics | timings | {"perf/throughput": float(exp.batch.attention_mask.sum()) / seconds}
 

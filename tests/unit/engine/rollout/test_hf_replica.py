@@ -135,6 +135,7 @@ def test_full_sync_after_a_training_like_change(client, policy, tiny):
     stats = client.update_weights(policy.named_parameters(), bucket_mb=SMALL_BUCKET_MB, version=1)
     assert stats.buckets >= 4 and stats.tensors == len(list(policy.parameters()))
     assert stats.bytes == sum(p.numel() * 4 for p in policy.parameters()) and stats.transport == "shm"
+    assert all(s > 0 for s in stats.replica_s.values()) and sum(stats.replica_s.values()) < stats.seconds
     check = probe(client, policy, prompts)
     assert check.fingerprint_match and check.logprob_diff_max < 1e-5
     colocated = generate_rollouts(policy, tiny[1], prompts, PARAMS, SEED)  # still token-identical

@@ -116,6 +116,10 @@ def test_a_weight_update_changes_what_it_samples_and_the_guard_sees_it(client, p
                 p.copy_(noisy[name])
         stats = client.update_weights(policy.named_parameters(), bucket_mb=64, version=1)
         assert stats.tensors == len(original) and stats.buckets >= 8
+        # the replica's own seconds: each phase took some, together less than the whole update
+        assert all(s > 0 for s in stats.replica_s.values()) and sum(stats.replica_s.values()) < stats.seconds
+        phases = ("receive", "load", "fingerprint")
+        assert set(stats.metrics()) == {f"timing_s/update_weights/replica_{p}" for p in phases}
         after = client.generate(prompts, params, seed=5)
         assert after.response_ids != before.response_ids
         assert {v for row in after.versions for v in row} == {1}

@@ -254,6 +254,7 @@ def test_a_steps_timings_add_the_step_and_what_no_phase_timed():
 
     exp = SimpleNamespace(batch=SimpleNamespace(attention_mask=torch.ones(2, 5)))  # 10 tokens
     phases = {"timing_s/gen": 1.0, "timing_s/update_actor": 0.5, "timing_s/wait_rollout": 0.7, "rollout/x": 3.0}
+    phases |= {"timing_s/update_actor/part": 0.4}  # inside update_actor's 0.5 s: not counted again
     out = with_timings({"actor/kl": 0.1}, phases, 2.0, exp)
     # other = step - the phases (the waits overlap them; a worker's figures are no seconds)
     assert out["timing_s/step"] == 2.0 and out["timing_s/other"] == pytest.approx(0.5)
