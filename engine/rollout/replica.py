@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import requests
-import urllib3
 import torch
+import urllib3
 
 from rlflow.engine.config.sampling import SamplingParams
 from rlflow.engine.config.secrets import redact_url
@@ -67,7 +67,7 @@ class ReplicaError(RlflowError):
 
 @dataclass(frozen=True)
 class SyncStats:
-    """One weight update: log seconds as timing_s/update_weights and gb_per_s as rollout/sync_gb_per_s."""
+    """One weight update (the caller logs its own timing_s/update_weights, which includes its hashing)."""
 
     seconds: float
     bytes: int  # tensor bytes sent (alignment padding excluded)
@@ -75,11 +75,12 @@ class SyncStats:
     buckets: int
     tensors: int
     transport: str
-    replica_s: dict[str, float]  # {phase of UPDATE_PHASES: seconds} of the slowest replica in each
+    replica_s: dict[str, float]  # {phase of UPDATE_PHASES: seconds}, per phase the slowest replica's
 
     def metrics(self) -> dict[str, float]:
-        """timing_s/update_weights/replica_<phase>: where the replicas' side of the update went."""
-        return {f"timing_s/update_weights/replica_{phase}": s for phase, s in self.replica_s.items()}
+        """rollout/sync_gb_per_s and timing_s/update_weights/replica_<phase> (where the replicas' side went)."""
+        replica = {f"timing_s/update_weights/replica_{phase}": s for phase, s in self.replica_s.items()}
+        return {"rollout/sync_gb_per_s": self.gb_per_s} | replica
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -203,15 +204,17 @@ class ReplicaClient:
             return self._session.request(
                 method, self.url + path, json=body, params=params or None, headers=self._headers, timeout=self.timeout_s
             )
-        except requests.Timeout:
-            self._fail(f"{path} got no answer within {self.timeout_s:g} s (rollout.response_timeout_s)")
-        except requests.ConnectionError as exc:
-            # requests raises a read timeout met in the body as a ConnectionError: a timeout all the same
-            if exc.args and isinstance(exc.args[0], urllib3.exceptions.ReadTimeoutError):
-                self._fail(f"{path} got no answer within {self.timeout_s:g} s (rollout.response_timeout_s)")
-            self._fail(f"{path} could not connect ({type(exc).__name__})")
-        except requests.RequestException as exc:  # e.g. the replica died mid-answer (ChunkedEncodingError)
-            self._fail(f"{path} broke off its answer ({type(exc).__name__})")
+        except requests.RequestException as exc:
+            self._fail(f"{path} {self._what_went_wrong(exc)}")
+
+    def _what_went_wrong(self, exc: requests.RequestException) -> str:
+        # requests raises a read timeout met in the body as a ConnectionError: a timeout all the same
+        body_timeout = exc.args and isinstance(exc.args[0], urllib3.exceptions.ReadTimeoutError)
+        if isinstance(exc, requests.Timeout) or body_timeout:
+            return f"got no answer within {self.timeout_s:g} s (rollout.response_timeout_s)"
+        if isinstance(exc, requests.ConnectionError):
+            return f"could not connect ({type(exc).__name__})"
+        return f"broke off its answer ({type(exc).__name__})"  # e.g. it died mid-answer: ChunkedEncodingError
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict[str, Any]:
         response = self._send(method, path, body, **params)
@@ -461,5 +464,5 @@ def push_weights(
         raise failures[0]
     seconds = time.monotonic() - started
     transport = "+".join(sorted({c.channel.transport for c in clients}))
-    replica_s = {phase: max(float(c._report.get(f"{phase}_s", 0.0)) for c in clients) for phase in UPDATE_PHASES}
+    replica_s = {p: max((float(c._report.get(f"{p}_s", 0.0)) for c in clients), default=0.0) for p in UPDATE_PHASES}
     return SyncStats(seconds, sent, sent / max(seconds, 1e-9) / 1e9, buckets, tensors, transport, replica_s)

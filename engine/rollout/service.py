@@ -218,8 +218,7 @@ class RolloutService:
 
             meanwhile = own if self.cfg.check_fingerprint else None
             stats = self.client.update_weights(params, self.cfg.bucket_mb, version=version, meanwhile=meanwhile)
-            metrics |= {"timing_s/update_weights": time.monotonic() - started, "rollout/sync_gb_per_s": stats.gb_per_s}
-            metrics |= stats.metrics()
+            metrics |= {"timing_s/update_weights": time.monotonic() - started} | stats.metrics()
             if self.cfg.check_fingerprint:
                 self.replica_fingerprint = self.client.fingerprint()
         self.version = version

@@ -9,7 +9,8 @@ replica directly (hf_replica.py). It knows the bytes, not the model:
 - `fsspec`: reads the bucket's safetensors file from the folder both reach, with this environment's
   own credentials (safetensors: data only, never pickle).
 The replica answers through the same channel (`report`): its dtype at init, after each update the
-count and fingerprint of what it loaded (engine/rollout/staging.py's report format).
+count and fingerprint of what it loaded and its seconds per phase of the update (`<phase>_s` for
+transfer.py's UPDATE_PHASES, counted by `UpdateClock`) (engine/rollout/staging.py's report format).
 Every collective has the trainer's timeout: a trainer gone mid-broadcast is an error, not a hang.
 """
 
@@ -18,8 +19,8 @@ from __future__ import annotations
 import json
 import mmap
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any

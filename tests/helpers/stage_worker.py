@@ -33,7 +33,7 @@ def finish_worker(proc: subprocess.Popen) -> tuple[int, list, str]:
         out, err = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=60)  # bounded too: a grandchild may hold the pipes
         raise AssertionError(f"the stage worker did not finish within 600 s; its stderr ends:\n{err[-3000:]}") from None
     events = [json.loads(line[len(EVENT_PREFIX) :]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
     return proc.returncode, [(e["step"], e["metrics"]) for e in events if e["kind"] == "metrics"], err[-3000:]

@@ -73,8 +73,8 @@ def start_worker(pool, tmp_path, fault_marker):
 
 
 def wait_for_flow_run(client, deployment_id, not_in, timeout=600):
-    """The first flow run of the deployment, other than `not_in` and the schedule's future runs,
-    once it is final."""
+    """The first flow run of the deployment other than `not_in` (and any the schedule planned, were it
+    active), once it is final."""
     from prefect.client.schemas.filters import DeploymentFilter
 
     deadline = time.monotonic() + timeout
@@ -144,7 +144,7 @@ def test_deploy_trigger_label_round_trip_then_registry_compare_report_export(
     assert f"work pool {pool}: created (process)" in capsys.readouterr().out
     deployment = prefect_client.read_deployment_by_name("rlhf-next-round/nightly")
     assert deployment.parameters == {"config_path": os.path.relpath(config_path, REPO), "overrides": ["run.name=nightly"]}
-    assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
+    assert [(s.schedule.cron, s.active) for s in deployment.schedules] == [("0 2 * * *", False)]
     automations = prefect_client.read_automations_by_name("nightly__automation_1")
     assert automations and automations[0].trigger.expect == {"rlflow.labels.landed"}
 

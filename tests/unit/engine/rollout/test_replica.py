@@ -4,10 +4,10 @@ unreachable replica become."""
 from __future__ import annotations
 
 import math
-
 import time
 
 import pytest
+import requests
 
 from rlflow.engine.config.secrets import redact_url
 from rlflow.engine.rollout.replica import ReplicaClient, ReplicaError, row_seed, version_label
@@ -102,7 +102,10 @@ def answer_once(head_and_part_of_body: bytes, hold_s: float):
         with conn:
             request = b""
             while b"\r\n\r\n" not in request:  # the request's head (these requests have no body)
-                request += conn.recv(65536)
+                chunk = conn.recv(65536)
+                if not chunk:  # the client gave up first
+                    break
+                request += chunk
             conn.sendall(head_and_part_of_body)
             time.sleep(hold_s)
         listener.close()
@@ -128,9 +131,11 @@ def test_a_replica_that_dies_mid_answer_is_an_error_naming_it():
 def test_a_replica_that_stalls_mid_answer_is_a_timeout_naming_it():
     """Headers, then half a body, then nothing (a replica stopped mid-answer): requests calls the read
     timeout a ConnectionError there; it is still the response timeout, not a failed connect."""
-    url, server = answer_once(HALF_AN_ANSWER, hold_s=4)
-    client = ReplicaClient(url, "k", Tokenizer(), name="r0", timeout_s=1)
-    with pytest.raises(ReplicaError, match=r"r0: /pause got no answer within 1 s \(rollout.response_timeout_s\)"):
+    url, server = answer_once(HALF_AN_ANSWER, hold_s=6)
+    client = ReplicaClient(url, "k", Tokenizer(), name="r0", timeout_s=3)  # the head comes at once, the rest never
+    no_answer = r"r0: /pause got no answer within 3 s \(rollout.response_timeout_s\)"
+    with pytest.raises(ReplicaError, match=no_answer) as info:
         client.pause()
+    assert isinstance(info.value.__context__, requests.ConnectionError)  # the case this test is for
     client.close()
     server.join(timeout=10)

@@ -22,6 +22,7 @@ from rlflow.engine.models.loading import load_tokenizer
 from rlflow.engine.rollout.generate import batched_logprobs
 from rlflow.engine.rollout.replica import ReplicaClient, ReplicaError
 from rlflow.engine.rollout.served import build_rollout_batch
+from rlflow.engine.rollout.transfer import UPDATE_PHASES
 from rlflow.engine.rollout.vllm_replica import ReplicaStartError, VLLMOptions, VLLMReplica
 from rlflow.engine.rollout.weight_sync import WeightSyncError, check_weight_sync, weights_fingerprint
 
@@ -118,8 +119,8 @@ def test_a_weight_update_changes_what_it_samples_and_the_guard_sees_it(client, p
         assert stats.tensors == len(original) and stats.buckets >= 8
         # the replica's own seconds: each phase took some, together less than the whole update
         assert all(s > 0 for s in stats.replica_s.values()) and sum(stats.replica_s.values()) < stats.seconds
-        phases = ("receive", "load", "fingerprint")
-        assert set(stats.metrics()) == {f"timing_s/update_weights/replica_{p}" for p in phases}
+        replica_metrics = {f"timing_s/update_weights/replica_{p}" for p in UPDATE_PHASES}
+        assert set(stats.metrics()) == replica_metrics | {"rollout/sync_gb_per_s"}
         after = client.generate(prompts, params, seed=5)
         assert after.response_ids != before.response_ids
         assert {v for row in after.versions for v in row} == {1}
